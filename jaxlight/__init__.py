@@ -1,0 +1,31 @@
+"""jaxlight: a PyTorch-Lightning-style trainer over JAX.
+
+Subclass :class:`LightningModule`, pick a strategy, call
+``Trainer(...).fit(model, datamodule)``. The trainer compiles one SPMD step
+and places it on a device mesh.
+"""
+
+from jaxlight import callbacks, loggers, nn, strategies
+from jaxlight.callbacks import Callback
+from jaxlight.datamodule import LightningDataModule
+from jaxlight.module import LightningModule
+from jaxlight.seed import seed_everything
+from jaxlight.step import StepError, TrainState
+from jaxlight.trainer import MisconfigurationError, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "LightningDataModule",
+    "LightningModule",
+    "MisconfigurationError",
+    "StepError",
+    "Trainer",
+    "TrainState",
+    "callbacks",
+    "loggers",
+    "nn",
+    "seed_everything",
+    "strategies",
+]

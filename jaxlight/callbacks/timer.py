@@ -1,0 +1,76 @@
+"""Timer: stop training after a wall-clock duration (``Trainer(max_time=...)``)."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+from jaxlight.callbacks.callback import Callback
+
+
+def parse_duration(duration: Any) -> timedelta:
+    """Accept "DD:HH:MM:SS", a timedelta, a dict of timedelta kwargs, or seconds."""
+    if isinstance(duration, timedelta):
+        return duration
+    if isinstance(duration, dict):
+        return timedelta(**duration)
+    if isinstance(duration, (int, float)):
+        return timedelta(seconds=duration)
+    if isinstance(duration, str) and re.fullmatch(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", duration):
+        d, h, m, s = (int(x) for x in duration.split(":"))
+        return timedelta(days=d, hours=h, minutes=m, seconds=s)
+    raise ValueError(f"max_time/duration {duration!r} must be 'DD:HH:MM:SS', a timedelta, a dict or seconds")
+
+
+class Timer(Callback):
+    """Stops ``fit`` once ``duration`` of training time has elapsed.
+
+    Checked after every train batch (``interval="step"``) or epoch; the stop
+    is Lightning's graceful one (``trainer.should_stop``), so epoch-end
+    callbacks such as checkpointing still run. Elapsed time is saved in the
+    checkpoint, so a resumed run counts the time already spent.
+    """
+
+    def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True) -> None:
+        if interval not in ("step", "epoch"):
+            raise ValueError(f"interval must be 'step' or 'epoch', got {interval!r}")
+        self.duration = parse_duration(duration) if duration is not None else None
+        self.interval = interval
+        self.verbose = verbose
+        self._start: float | None = None
+        self._offset = 0.0
+
+    def time_elapsed(self) -> float:
+        if self._start is None:
+            return self._offset
+        return self._offset + time.monotonic() - self._start
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start = time.monotonic()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._start is not None:
+            self._offset += time.monotonic() - self._start
+            self._start = None
+
+    def _check(self, trainer) -> None:
+        if self.duration is not None and self.time_elapsed() >= self.duration.total_seconds():
+            if not trainer.should_stop and self.verbose and trainer.is_global_zero:
+                print(f"Time limit reached ({self.duration}); signaling Trainer to stop.")
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.interval == "step":
+            self._check(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self.interval == "epoch":
+            self._check(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"time_elapsed": self.time_elapsed()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._offset = float(state_dict.get("time_elapsed", 0.0))

@@ -1,0 +1,239 @@
+"""Host batches to global device arrays, one step ahead of the compiled step.
+
+A dataloader is anything re-iterable that yields pytrees of numpy arrays,
+jax arrays or torch tensors. Each yielded batch is a global batch: its rows
+are split over the mesh's batch axes. With ``process_local=True`` each process
+yields only its own share of rows and the shares are assembled with
+``jax.make_array_from_process_local_data``; otherwise every process reads the
+global batch and keeps the rows its devices hold.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxlight.strategies.placement import batch_axes_size, batch_spec
+
+
+class BatchError(ValueError):
+    """A batch the compiled step cannot take (shapes disagree, rows don't divide)."""
+
+
+def to_numpy(x: Any) -> Any:
+    """Convert a leaf to something ``jax.device_put`` takes, without copying when possible."""
+    if isinstance(x, (np.ndarray, jax.Array, np.generic)):
+        return x
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        # torch CPU tensors share memory with the numpy view (no copy).
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            import ml_dtypes
+
+            return t.view(dtype=__import__("torch").int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    if isinstance(x, (int, float, bool)):
+        return np.asarray(x)
+    if isinstance(x, (list, tuple)) and x and all(isinstance(v, (int, float, bool)) for v in x):
+        return np.asarray(x)
+    return x
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def host_batch(batch: Any) -> Any:
+    """Pytree of numpy/jax arrays from whatever the loader yielded."""
+    return jax.tree.map(to_numpy, batch, is_leaf=lambda x: type(x).__module__.startswith("torch"))
+
+
+def batch_rows(batch: Any, index: int | None = None) -> int:
+    """Number of rows of a batch; raises when leading dims disagree."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    rows: dict[int, str] = {}
+    for path, leaf in leaves:
+        if not _is_array(leaf):
+            raise BatchError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} is a {type(leaf).__name__}; "
+                f"batches must hold numpy arrays, jax arrays or torch tensors"
+            )
+        if leaf.ndim == 0:
+            raise BatchError(f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a leading batch dim")
+        rows.setdefault(int(leaf.shape[0]), jax.tree_util.keystr(path))
+    if not rows:
+        raise BatchError("batch holds no arrays")
+    if len(rows) > 1:
+        where = f"batch {index}" if index is not None else "batch"
+        detail = ", ".join(f"{p or '<root>'}: {n}" for n, p in rows.items())
+        raise BatchError(f"{where} has leaves whose leading dims disagree ({detail})")
+    return next(iter(rows))
+
+
+class BatchPlacer:
+    """Puts host batches on the mesh with rows over the batch axes."""
+
+    def __init__(self, mesh: Mesh, process_local: bool = False) -> None:
+        self.mesh = mesh
+        self.process_local = process_local
+        self.divisor = batch_axes_size(mesh)
+        self.multiprocess = jax.process_count() > 1
+
+    def sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, batch_spec(self.mesh, ndim))
+
+    def global_rows(self, local_rows: int) -> int:
+        if self.process_local and self.multiprocess:
+            return local_rows * self._share_count()
+        return local_rows
+
+    def _share_count(self) -> int:
+        # Processes holding distinct row shards each read one share.
+        return jax.process_count()
+
+    def check(self, rows: int, index: int | None = None) -> None:
+        if rows % self.divisor:
+            where = f" (batch {index})" if index is not None else ""
+            raise BatchError(
+                f"global batch {rows}{where} is not divisible by the batch axes "
+                f"data*fsdp*expert = {self.divisor} of mesh {dict(self.mesh.shape)}"
+            )
+
+    def place(self, batch: Any) -> Any:
+        def put(x):
+            sh = self.sharding(x.ndim)
+            if not self.multiprocess:
+                return jax.device_put(x, sh)
+            if self.process_local:
+                gshape = (x.shape[0] * self._share_count(),) + tuple(x.shape[1:])
+                return jax.make_array_from_process_local_data(sh, np.asarray(x), gshape)
+            xa = np.asarray(x)
+            return jax.make_array_from_callback(xa.shape, sh, lambda idx: xa[idx])
+
+        return jax.tree.map(put, batch)
+
+
+class Prefetched(NamedTuple):
+    index: int               # batch_idx within the epoch
+    batch: Any               # device arrays
+    rows: int                # global rows
+    loader_state: Any        # loader.state_dict() right after this batch, if it has one
+
+
+class Prefetcher:
+    """Reads, checks and places the next ``depth`` batches on a background thread.
+
+    The transfer of batch i+1 runs while step i computes. ``loader_state``
+    records the loader's own state after each batch, so a checkpoint saved
+    after consuming batch i resumes at i+1 even though i+1 was already read.
+    Stops after ``limit`` batches. Ragged batches (a different row count than
+    the first) raise unless ``drop_ragged`` is set, in which case they are
+    skipped and counted in ``dropped``.
+    """
+
+    _END = object()
+
+    def __init__(
+        self,
+        loader: Iterable,
+        placer: BatchPlacer,
+        *,
+        limit: int | None = None,
+        start: int = 0,
+        depth: int = 2,
+        drop_ragged: bool = False,
+        stage: str = "train",
+        expected_rows: int | None = None,
+    ) -> None:
+        self.loader = loader
+        self.placer = placer
+        self.limit = limit
+        self.start = start
+        self.drop_ragged = drop_ragged
+        self.stage = stage
+        self.expected_rows = expected_rows
+        self.dropped = 0
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"jaxlight-prefetch-{stage}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            has_state = hasattr(self.loader, "state_dict") and callable(getattr(self.loader, "state_dict"))
+            it = iter(self.loader)
+            i = self.start
+            while not self._stop.is_set():
+                if self.limit is not None and i >= self.limit:
+                    break
+                try:
+                    raw = next(it)
+                except StopIteration:
+                    break
+                state = self.loader.state_dict() if has_state else None
+                hb = host_batch(raw)
+                rows = batch_rows(hb, i)
+                grows = self.placer.global_rows(rows)
+                if self.expected_rows is None:
+                    self.expected_rows = grows
+                if grows != self.expected_rows:
+                    if self.drop_ragged:
+                        self.dropped += 1
+                        continue
+                    raise BatchError(
+                        f"{self.stage} batch {i} has {grows} rows but the first had {self.expected_rows}; "
+                        f"the step is compiled for one shape. Drop the ragged batch in the loader "
+                        f"(DataLoader(drop_last=True)) or pass Trainer(ragged_batches='drop')"
+                    )
+                self.placer.check(grows, i)
+                self._put(Prefetched(i, self.placer.place(hb), grows, state))
+                i += 1
+        except BaseException as e:  # surfaced on the consumer side
+            self._put(e)
+            return
+        self._put(self._END)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[Prefetched]:
+        return self
+
+    def __next__(self) -> Prefetched:
+        item = self._q.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout=5)
+
+
+def num_batches(loader: Any) -> int | None:
+    """``len(loader)`` when the loader knows it, else None (iterable datasets)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -1,0 +1,159 @@
+"""What ``self.log`` records and how it is reduced, without per-step host syncs.
+
+Inside the compiled step ``self.log`` only records a traced scalar and its
+weight; its flags (on_step, on_epoch, prog_bar, logger, reduce_fx) are static
+and captured once at trace time. Epoch reductions accumulate on the device in
+one small compiled update per step, and values reach the host only when the
+trainer logs (every ``log_every_n_steps`` and at epoch end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+class LogSpec(NamedTuple):
+    """Static flags of one logged name (Lightning's ``self.log`` arguments)."""
+
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool
+    logger: bool
+    reduce_fx: str
+
+
+class Collector:
+    """Gathers ``self.log`` calls during one trace (or one host-side hook)."""
+
+    def __init__(self, stage: str, default_batch_size: int | None, on_step: bool, on_epoch: bool) -> None:
+        self.stage = stage
+        self.default_batch_size = default_batch_size
+        self.default_on_step = on_step
+        self.default_on_epoch = on_epoch
+        self.values: dict[str, tuple[Any, Any]] = {}
+        self.specs: dict[str, LogSpec] = {}
+
+    def add(
+        self,
+        name: str,
+        value: Any,
+        *,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: str,
+        batch_size: int | None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
+        if reduce_fx not in REDUCE_FX:
+            raise ValueError(f"self.log({name!r}) reduce_fx={reduce_fx!r}; supported: {REDUCE_FX}")
+        if isinstance(value, Mapping):
+            raise ValueError(f"self.log({name!r}) got a dict; use self.log_dict for several values")
+        arr = jnp.asarray(value)
+        if arr.size != 1:
+            raise ValueError(f"self.log({name!r}) needs a scalar, got shape {tuple(arr.shape)}")
+        if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
+                or arr.dtype == jnp.bool_):
+            raise ValueError(f"self.log({name!r}) needs a numeric scalar, got dtype {arr.dtype}")
+        on_step = self.default_on_step if on_step is None else bool(on_step)
+        on_epoch = self.default_on_epoch if on_epoch is None else bool(on_epoch)
+        if not (on_step or on_epoch):
+            raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False logs nothing")
+        bs = batch_size if batch_size is not None else self.default_batch_size
+        weight = jnp.asarray(1.0 if bs is None else bs, jnp.float32)
+        spec = LogSpec(on_step, on_epoch, bool(prog_bar), bool(logger), reduce_fx)
+        prev = self.specs.get(name)
+        if prev is not None and prev != spec:
+            raise ValueError(f"self.log({name!r}) was called twice with different flags: {prev} vs {spec}")
+        self.specs[name] = spec
+        self.values[name] = (arr.reshape(()).astype(jnp.float32), weight)
+
+
+def _acc_init(reduce_fx: str) -> tuple[Any, Any]:
+    if reduce_fx == "max":
+        return (jnp.float32(-jnp.inf), jnp.float32(0))
+    if reduce_fx == "min":
+        return (jnp.float32(jnp.inf), jnp.float32(0))
+    return (jnp.float32(0), jnp.float32(0))
+
+
+def _acc_step(reduce_fx: str, acc: tuple, vw: tuple) -> tuple:
+    a, w = acc
+    v, bw = vw
+    if reduce_fx == "mean":
+        return (a + v * bw, w + bw)
+    if reduce_fx == "sum":
+        return (a + v, w + bw)
+    if reduce_fx == "max":
+        return (jnp.maximum(a, v), w + bw)
+    return (jnp.minimum(a, v), w + bw)
+
+
+def _acc_value(reduce_fx: str, acc: tuple) -> Any:
+    a, w = acc
+    if reduce_fx == "mean":
+        return a / w
+    return a
+
+
+class MetricStore:
+    """Latest step values and device-side epoch accumulators for one stage."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, LogSpec] = {}
+        self.step_values: dict[str, Any] = {}
+        self._acc: dict[str, tuple] = {}
+        self._update_fn: Any = None
+        self._update_key: tuple | None = None
+
+    def register(self, specs: Mapping[str, LogSpec]) -> None:
+        for k, s in specs.items():
+            prev = self.specs.get(k)
+            if prev is not None and prev != s:
+                raise ValueError(f"metric {k!r} is logged with different flags in two places: {prev} vs {s}")
+            self.specs[k] = s
+
+    def update(self, values: Mapping[str, tuple[Any, Any]]) -> None:
+        """Record one step's logged values (device arrays; nothing syncs)."""
+        for k, (v, _) in values.items():
+            self.step_values[k] = v
+        epoch_keys = tuple(sorted(k for k in values if self.specs[k].on_epoch))
+        if not epoch_keys:
+            return
+        for k in epoch_keys:
+            if k not in self._acc:
+                self._acc[k] = _acc_init(self.specs[k].reduce_fx)
+        key = tuple((k, self.specs[k].reduce_fx) for k in epoch_keys)
+        if key != self._update_key:
+            fx = dict(key)
+
+            def upd(acc, vals):
+                return {k: _acc_step(fx[k], acc[k], vals[k]) for k in acc}
+
+            self._update_fn = jax.jit(upd, donate_argnums=0)
+            self._update_key = key
+        sub_acc = {k: self._acc[k] for k in epoch_keys}
+        sub_vals = {k: values[k] for k in epoch_keys}
+        self._acc.update(self._update_fn(sub_acc, sub_vals))
+
+    def epoch_values(self) -> dict[str, Any]:
+        return {k: _acc_value(self.specs[k].reduce_fx, a) for k, a in self._acc.items()}
+
+    def reset_epoch(self) -> None:
+        self._acc = {}
+        self.step_values = {}
+
+
+def to_host(values: Mapping[str, Any]) -> dict[str, float]:
+    """One transfer for many scalars."""
+    fetched = jax.device_get(dict(values))
+    return {k: float(np.asarray(v)) for k, v in fetched.items()}

@@ -1,0 +1,246 @@
+"""LightningModule: the user's model, its steps and its optimizer.
+
+Subclass it, create flax NNX modules as attributes (in ``configure_model`` to
+have them created sharded under the trainer's mesh), write
+``training_step`` and ``configure_optimizers``. Step methods are *traced*
+once into one compiled SPMD program; hooks run on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator
+
+import jax
+from flax import nnx
+
+from jaxlight.hparams import AttributeDict, collect_init_args, select
+from jaxlight.metrics import Collector
+from jaxlight.state import nnx_attributes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.trainer import Trainer
+
+
+class ModelHooks:
+    """Host-side hooks of a LightningModule, called in Lightning's order."""
+
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_validation_model_eval(self) -> None: ...
+    def on_validation_model_train(self) -> None: ...
+    def on_test_model_eval(self) -> None: ...
+    def on_predict_model_eval(self) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+
+class DataHooks:
+    """Data hooks shared by LightningModule and LightningDataModule."""
+
+    def prepare_data(self) -> None: ...
+    def setup(self, stage: str) -> None: ...
+    def teardown(self, stage: str) -> None: ...
+
+
+class LightningModule(ModelHooks, DataHooks):
+    """A model, its train/eval steps and its optimizer, in Lightning's shape.
+
+    Guarantees: every ``flax.nnx.Module`` attribute is trained state; after
+    ``Trainer.fit`` those attributes hold the trained values as (possibly
+    sharded) ``jax.Array``s, so ``model.net(x)`` works directly. Step methods
+    (``training_step``, ``validation_step``, ``test_step``,
+    ``predict_step``) are traced once each into compiled programs: they must
+    be jax-traceable, and ``batch_idx`` arrives as a traced int32 scalar.
+    ``self.log`` follows Lightning's defaults and reductions.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self._trainer: Trainer | None = None
+        self._hparams: AttributeDict = AttributeDict()
+        self._hparams_initial: AttributeDict = AttributeDict()
+        self._collector: Collector | None = None
+
+    # -- hyperparameters -------------------------------------------------
+    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None, frame: Any = None,
+                             logger: bool = True) -> None:
+        """Store ``__init__`` arguments in ``self.hparams`` (and the checkpoint).
+
+        With no arguments every init argument is saved; names select some; a
+        dict is saved as given. ``ignore`` drops names (e.g. modules).
+        """
+        ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            hp = dict(args[0])
+        else:
+            if frame is None:
+                frame = inspect.currentframe().f_back  # type: ignore[union-attr]
+            init_args = collect_init_args(frame, ignore)
+            hp = select(init_args, args) if args else init_args
+        self._hparams = AttributeDict(hp)
+        self._hparams_initial = AttributeDict(dict(hp))
+        self._log_hyperparams = logger
+
+    @property
+    def hparams(self) -> AttributeDict:
+        return self._hparams
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        return self._hparams_initial
+
+    # -- trainer access ------------------------------------------------------
+    @property
+    def trainer(self) -> "Trainer":
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: "Trainer | None") -> None:
+        self._trainer = trainer
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def device_mesh(self) -> jax.sharding.Mesh | None:
+        return self._trainer.mesh if self._trainer is not None else None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on process 0 only."""
+        if jax.process_index() == 0:
+            print(*args, **kwargs)
+
+    # -- user-facing definitions -----------------------------------------------
+    def configure_model(self) -> None:
+        """Create the flax NNX modules. Called by the trainer under its mesh and
+        logical rules, so annotated parameters are created sharded."""
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement configure_optimizers() returning an optax "
+            f"GradientTransformation or {{'optimizer': tx, 'lr_scheduler': schedule}}"
+        )
+
+    def configure_callbacks(self) -> Sequence[Any] | Any:
+        return []
+
+    def training_step(self, batch: Any, batch_idx: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx)")
+
+    def validation_step(self, batch: Any, batch_idx: Any) -> Any:
+        raise NotImplementedError
+
+    def test_step(self, batch: Any, batch_idx: Any) -> Any:
+        raise NotImplementedError
+
+    def predict_step(self, batch: Any, batch_idx: Any) -> Any:
+        """Defaults to calling the module's only NNX model on the batch."""
+        models = nnx_attributes(self)
+        if len(models) != 1:
+            raise NotImplementedError(f"{type(self).__name__} must implement predict_step(batch, batch_idx)")
+        return next(iter(models.values()))(batch)
+
+    def _overrides(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(LightningModule, name)
+
+    # -- logging -----------------------------------------------------------
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Record a scalar, with Lightning's defaults and reductions.
+
+        In ``training_step``: on_step=True, on_epoch=False; in
+        validation/test steps and epoch-end hooks: on_step=False,
+        on_epoch=True. Epoch values reduce with ``reduce_fx`` ("mean" is
+        weighted by ``batch_size``, inferred from the batch). Values are
+        global (already reduced over the mesh), so ``sync_dist`` is a no-op.
+        """
+        col = self._collector
+        if col is None:
+            if self._trainer is None:
+                raise RuntimeError("self.log was called outside a Trainer run")
+            col = self._trainer._host_collector()
+        col.add(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                reduce_fx=reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", str(reduce_fx)),
+                batch_size=batch_size)
+
+    def log_dict(self, dictionary: Mapping[str, Any], prog_bar: bool = False, logger: bool = True,
+                 on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: str = "mean",
+                 enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+                 add_dataloader_idx: bool = True, batch_size: int | None = None,
+                 rank_zero_only: bool = False) -> None:
+        """``self.log`` for each item of ``dictionary``."""
+        for k, v in dictionary.items():
+            self.log(k, v, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
+                     reduce_fx=reduce_fx, batch_size=batch_size)
+
+    # -- tracing support (used by jaxlight.step) ---------------------------------
+    @contextlib.contextmanager
+    def _bound(self, models: Mapping[str, nnx.Module], collector: Collector | None) -> Iterator[None]:
+        """Temporarily point the NNX attributes at ``models`` (traced copies)."""
+        saved = {k: self.__dict__.get(k) for k in models}
+        saved_col = self._collector
+        try:
+            for k, m in models.items():
+                object.__setattr__(self, k, m)
+            self._collector = collector
+            yield
+        finally:
+            for k, m in saved.items():
+                object.__setattr__(self, k, m)
+            self._collector = saved_col
+
+    # -- checkpoints (wired by the checkpoint callback) ---------------------------
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str, **kwargs: Any) -> "LightningModule":
+        from jaxlight.checkpoint import load_module_from_checkpoint
+
+        return load_module_from_checkpoint(cls, checkpoint_path, **kwargs)

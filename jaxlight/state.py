@@ -1,0 +1,122 @@
+"""The trainable state of a LightningModule as flat, path-keyed dicts.
+
+A module's flax NNX attributes are split once into a static graph definition
+and two flat dicts of arrays keyed by "/"-joined paths: ``params`` (every
+``nnx.Param``, which the optimizer owns) and ``rest`` (RNG streams, batch
+statistics and any other NNX variable, carried through the step). Flat dicts
+keep optimizer states, EMA copies, shardings and checkpoints readable and
+keyed by the same names users see in error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+
+def path_str(path: tuple) -> str:
+    """Join a jax key path into "a/b/0/c", dropping the Variable's ``.value``."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name == "value":
+                continue
+            parts.append(k.name)
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+class StateCodec:
+    """Converts between an NNX ``State`` and a flat ``{path: array}`` dict.
+
+    Built from one State (abstract or concrete); the conversion is a pure
+    re-labelling of leaves, free inside a traced function.
+    """
+
+    def __init__(self, state: nnx.State) -> None:
+        leaves_with_path, self.treedef = jax.tree_util.tree_flatten_with_path(state)
+        self.keys: list[str] = [path_str(p) for p, _ in leaves_with_path]
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError("two NNX variables map to the same path; rename one of them")
+        # Metadata per path (logical axes and the like), read once.
+        self.variables: dict[str, nnx.Variable] = {}
+        for path, var in _variables_with_path(state):
+            self.variables[path] = var
+
+    def to_flat(self, state: nnx.State) -> dict[str, Any]:
+        return dict(zip(self.keys, jax.tree_util.tree_leaves(state)))
+
+    def from_flat(self, flat: Mapping[str, Any]) -> nnx.State:
+        try:
+            leaves = [flat[k] for k in self.keys]
+        except KeyError as e:  # pragma: no cover - guarded by callers
+            raise KeyError(f"state is missing variable {e.args[0]!r}") from None
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _variables_with_path(state: nnx.State):
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, var in flat:
+        if isinstance(var, nnx.Variable):
+            yield path_str(path), var
+
+
+def logical_axes(var: nnx.Variable) -> tuple | None:
+    """The logical axis names a variable was annotated with, or None."""
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        names = meta.get(key)
+        if names is not None and isinstance(names, (tuple, list)):
+            return tuple(names)
+    return None
+
+
+class ModelParts(NamedTuple):
+    """What the trainer needs to rebuild a module's NNX attributes in a trace."""
+
+    names: tuple[str, ...]        # attribute names on the LightningModule
+    train_graphdef: Any           # graph with modules in train mode
+    eval_graphdef: Any            # same graph in eval mode (dropout off, running stats)
+    params: StateCodec
+    rest: StateCodec
+
+
+def nnx_attributes(module: Any) -> dict[str, nnx.Module]:
+    """The flax NNX modules held as attributes of ``module``, by name."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Module)}
+
+
+def split_models(models: Mapping[str, nnx.Module]) -> tuple[ModelParts, dict, dict]:
+    """Split NNX modules into static parts and flat ``params``/``rest`` dicts."""
+    models = dict(models)
+    for m in models.values():
+        m.train()
+    gd_train, params, rest = nnx.split(models, nnx.Param, ...)
+    for m in models.values():
+        m.eval()
+    gd_eval, _, _ = nnx.split(models, nnx.Param, ...)
+    for m in models.values():
+        m.train()
+    pc, rc = StateCodec(params), StateCodec(rest)
+    parts = ModelParts(tuple(models), gd_train, gd_eval, pc, rc)
+    return parts, pc.to_flat(params), rc.to_flat(rest)
+
+
+def merge_models(parts: ModelParts, params: Mapping, rest: Mapping, train: bool = True) -> dict[str, nnx.Module]:
+    """Rebuild the NNX modules from flat dicts (inside or outside a trace)."""
+    gd = parts.train_graphdef if train else parts.eval_graphdef
+    return nnx.merge(gd, parts.params.from_flat(params), parts.rest.from_flat(rest))
+
+
+def rest_after(parts: ModelParts, models: Mapping[str, nnx.Module]) -> dict:
+    """Read the non-parameter variables back after a forward pass updated them."""
+    _, _, rest = nnx.split(dict(models), nnx.Param, ...)
+    return parts.rest.to_flat(rest)

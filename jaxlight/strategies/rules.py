@@ -1,0 +1,136 @@
+"""Logical axis names and the default table that maps them onto mesh axes.
+
+Models name the dimensions of their parameters and activations with logical
+names ("embed", "mlp", "heads", ...). A rules table says, in precedence order,
+which mesh axes each logical name may take. The same table serves every
+topology: an axis of size 1 shards nothing, and a name whose candidate axes do
+not divide the dimension falls back to its next candidate or stays whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence", "stage", "expert")
+"""Every mesh the trainer builds has these six named axes, in this order."""
+
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+"""Mesh axes that split the rows of a batch. Never tensor: every tensor shard
+reads the rows whose widths it computes a part of (Megatron)."""
+
+PARAM_FORBIDDEN_AXES: tuple[str, ...] = ("data", "sequence", "stage")
+"""Mesh axes a parameter may not be placed on: data and sequence split the
+batch, so a parameter placed there would be gathered on every use; stage holds
+pipeline stages, which the pipeline places itself."""
+
+MeshAxes = Union[str, Sequence[str], None]
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+DEFAULT_RULES: Rules = (
+    # activations
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", "sequence"),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # parameters: the Megatron widths take tensor, everything large takes fsdp
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("mlp", "fsdp"),
+    ("heads", "tensor"),
+    ("heads", "fsdp"),
+    ("kv", None),
+    ("vocab", "tensor"),
+    ("vocab", "fsdp"),
+    ("exp", "expert"),
+    ("layers", None),
+    ("norm", None),
+)
+"""Default logical-to-mesh rules, in precedence order (several entries for one
+name are fallbacks tried in turn)."""
+
+
+def normalize_rules(rules: Rules | Mapping[str, MeshAxes] | None) -> Rules:
+    """Return ``rules`` as a tuple of ``(logical_name, mesh_axes)`` pairs.
+
+    A mapping is accepted for convenience; its insertion order is the
+    precedence order. ``None`` gives :data:`DEFAULT_RULES`.
+    """
+    if rules is None:
+        return DEFAULT_RULES
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"a rule must be a (logical_name, mesh_axes) pair, got {item!r}")
+        name, axes = item
+        axes_t = _as_tuple(axes)
+        for a in axes_t:
+            if a not in MESH_AXES:
+                raise ValueError(
+                    f"rule {name!r} -> {axes!r} names mesh axis {a!r}; mesh axes are {MESH_AXES}"
+                )
+        out.append((name, axes if axes is None or isinstance(axes, str) else tuple(axes)))
+    return tuple(out)
+
+
+def override_rules(base: Rules, overrides: Rules | Mapping[str, MeshAxes]) -> Rules:
+    """Put ``overrides`` in front of ``base``: a name they mention takes only
+    the overriding candidates; other names keep the base table's."""
+    over = normalize_rules(overrides)
+    names = {n for n, _ in over}
+    return over + tuple((n, a) for n, a in base if n not in names)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def resolve_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int],
+    rules: Rules,
+    mesh_shape: Mapping[str, int],
+) -> tuple:
+    """Map logical ``names`` of an array of ``shape`` to a PartitionSpec tuple.
+
+    For each dimension the candidates of its name are tried in precedence
+    order; a candidate is taken when none of its mesh axes is already used by
+    another dimension and the product of their sizes divides the dimension.
+    Size-1 mesh axes are dropped from the result (they shard nothing), so the
+    spec is the same for every topology where it matters.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} name {len(names)} dims but the array has shape {tuple(shape)}")
+    used: set[str] = set()
+    spec: list = []
+    for name, dim in zip(names, shape):
+        chosen = None
+        if name is not None:
+            for rule_name, axes in rules:
+                if rule_name != name:
+                    continue
+                cand = tuple(a for a in _as_tuple(axes) if mesh_shape.get(a, 1) > 1)
+                if any(a in used for a in cand):
+                    continue
+                size = 1
+                for a in cand:
+                    size *= mesh_shape[a]
+                if dim % size:
+                    continue
+                chosen = cand
+                break
+        if chosen:
+            used.update(chosen)
+            spec.append(chosen[0] if len(chosen) == 1 else chosen)
+        else:
+            spec.append(None)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
