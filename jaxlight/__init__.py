@@ -5,8 +5,9 @@ Subclass :class:`LightningModule`, pick a strategy, call
 and places it on a device mesh.
 """
 
-from jaxlight import callbacks, loggers, nn, strategies
+from jaxlight import callbacks, distributed, loggers, nn, strategies
 from jaxlight.callbacks import Callback
+from jaxlight.checkpoint import CheckpointError, Preempted
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.module import LightningModule
 from jaxlight.seed import seed_everything
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "CheckpointError",
+    "Preempted",
     "LightningDataModule",
     "LightningModule",
     "MisconfigurationError",
@@ -24,6 +27,7 @@ __all__ = [
     "Trainer",
     "TrainState",
     "callbacks",
+    "distributed",
     "loggers",
     "nn",
     "seed_everything",

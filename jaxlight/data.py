@@ -79,14 +79,70 @@ def batch_rows(batch: Any, index: int | None = None) -> int:
     return next(iter(rows))
 
 
+class DataPartition(NamedTuple):
+    """The share of every global batch one process reads.
+
+    ``index`` of ``count`` equal, contiguous shares of rows (share i holds rows
+    ``[i * rows / count, (i + 1) * rows / count)`` of a global batch);
+    ``readers`` processes read the same share (they hold the same rows, e.g.
+    when the tensor axis spans processes) and ``reader`` is this process's
+    place among them.
+    """
+
+    index: int
+    count: int
+    readers: int
+    reader: int
+
+
+def data_partition(mesh: Mesh, process_index: int | None = None) -> DataPartition:
+    """Which share of each global batch ``process_index`` (default: this process) reads on ``mesh``.
+
+    Rows split over the batch axes only, so processes whose devices hold the
+    same row shards read the same share. A loader that reads only its share
+    (``Trainer(process_local_batches=True)``) should yield rows
+    ``index::count`` or the ``index``-th contiguous block of each global
+    batch; the trainer assembles the shares in share order. Raises a
+    ValueError for a device order whose processes hold overlapping but
+    different rows (no whole share to read).
+    """
+    pid = jax.process_index() if process_index is None else process_index
+    n = batch_axes_size(mesh)
+    # One row per batch-axes shard: which shards each process's devices hold.
+    index_map = NamedSharding(mesh, batch_spec(mesh, 1)).devices_indices_map((n,))
+    held: dict[int, set[int]] = {}
+    for dev, idx in index_map.items():
+        start = idx[0].start or 0
+        stop = n if idx[0].stop is None else idx[0].stop
+        held.setdefault(dev.process_index, set()).update(range(start, stop))
+    groups = sorted({tuple(sorted(v)) for v in held.values()})
+    flat = [r for g in groups for r in g]
+    if len(flat) != len(set(flat)):
+        raise ValueError(
+            f"processes hold overlapping but different row shards on mesh {dict(mesh.shape)} "
+            f"({ {p: sorted(v) for p, v in sorted(held.items())} }); no process could read a whole share")
+    if any(g != tuple(range(g[0], g[0] + len(g))) for g in groups) or len({len(g) for g in groups}) != 1:
+        raise ValueError(f"processes hold non-contiguous or unequal row shards on mesh {dict(mesh.shape)}: {groups}")
+    mine = tuple(sorted(held[pid]))
+    readers = sorted(p for p, v in held.items() if tuple(sorted(v)) == mine)
+    return DataPartition(groups.index(mine), len(groups), len(readers), readers.index(pid))
+
+
 class BatchPlacer:
-    """Puts host batches on the mesh with rows over the batch axes."""
+    """Puts host batches on the mesh with rows over the batch axes.
+
+    With ``process_local`` in a multi-process run, each process's loader
+    yields only its :func:`data_partition` share and the global batch is
+    ``count`` times as many rows; otherwise every process yields the whole
+    global batch and keeps the rows its devices hold.
+    """
 
     def __init__(self, mesh: Mesh, process_local: bool = False) -> None:
         self.mesh = mesh
         self.process_local = process_local
         self.divisor = batch_axes_size(mesh)
         self.multiprocess = jax.process_count() > 1
+        self.partition = data_partition(mesh) if self.multiprocess else DataPartition(0, 1, 1, 0)
 
     def sharding(self, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec(self.mesh, ndim))
@@ -97,8 +153,8 @@ class BatchPlacer:
         return local_rows
 
     def _share_count(self) -> int:
-        # Processes holding distinct row shards each read one share.
-        return jax.process_count()
+        # Processes holding the same row shards read one share together.
+        return self.partition.count
 
     def check(self, rows: int, index: int | None = None) -> None:
         if rows % self.divisor:
@@ -120,6 +176,11 @@ class BatchPlacer:
             return jax.make_array_from_callback(xa.shape, sh, lambda idx: xa[idx])
 
         return jax.tree.map(put, batch)
+
+
+# Extra keys jaxlight adds to a loader's saved state (removed before ``load_state_dict``).
+_GENERATOR_KEY = "_jaxlight_generator_state"
+_FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
 
 
 class Prefetched(NamedTuple):
@@ -153,11 +214,13 @@ class Prefetcher:
         drop_ragged: bool = False,
         stage: str = "train",
         expected_rows: int | None = None,
+        loader_state: Any = None,
     ) -> None:
         self.loader = loader
         self.placer = placer
         self.limit = limit
         self.start = start
+        self.loader_state = loader_state
         self.drop_ragged = drop_ragged
         self.stage = stage
         self.expected_rows = expected_rows
@@ -170,7 +233,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             has_state = hasattr(self.loader, "state_dict") and callable(getattr(self.loader, "state_dict"))
-            it = iter(self.loader)
+            it = self._open()
             i = self.start
             while not self._stop.is_set():
                 if self.limit is not None and i >= self.limit:
@@ -179,7 +242,7 @@ class Prefetcher:
                     raw = next(it)
                 except StopIteration:
                     break
-                state = self.loader.state_dict() if has_state else None
+                state = self._loader_state() if has_state else None
                 hb = host_batch(raw)
                 rows = batch_rows(hb, i)
                 grows = self.placer.global_rows(rows)
@@ -201,6 +264,44 @@ class Prefetcher:
             self._put(e)
             return
         self._put(self._END)
+
+    def _open(self) -> Iterator:
+        """Iterate the loader from the resume point: a restored ``state_dict``, or ``start`` batches skipped.
+
+        torchdata restores the position inside an epoch but draws the next
+        epoch's shuffle from the loader's generator as a fresh loader would, so
+        the generator's state (saved with the loader state) is put back too.
+        """
+        saved = self.loader_state
+        gen = getattr(self.loader, "generator", None)
+        can_load = callable(getattr(self.loader, "load_state_dict", None))
+        if saved is not None and can_load:
+            saved = dict(saved)
+            gen_state = saved.pop(_GENERATOR_KEY, None)
+            fresh_epoch = saved.pop(_FRESH_EPOCH_KEY, False)
+            if fresh_epoch:  # the saved epoch was finished: start a new one from the saved generator
+                if gen_state is not None and gen is not None:
+                    gen.set_state(gen_state)
+                return iter(self.loader)
+            self.loader.load_state_dict(saved)
+            it = iter(self.loader)
+            if gen_state is not None and gen is not None:
+                gen.set_state(gen_state)
+            return it
+        it = iter(self.loader)
+        for _ in range(self.start):  # a plain re-iterable: skip what the checkpoint had consumed
+            try:
+                next(it)
+            except StopIteration:
+                break
+        return it
+
+    def _loader_state(self) -> Any:
+        state = self.loader.state_dict()
+        gen = getattr(self.loader, "generator", None)
+        if isinstance(state, dict) and gen is not None and callable(getattr(gen, "get_state", None)):
+            state = {**state, _GENERATOR_KEY: gen.get_state()}
+        return state
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():

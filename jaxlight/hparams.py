@@ -33,7 +33,7 @@ def collect_init_args(frame: Any, ignore: Sequence[str] = ()) -> dict[str, Any]:
     while f is not None and f.f_code.co_name == "__init__" and f.f_locals.get("self") is self_obj:
         chain.append(f)
         f = f.f_back
-    for f in reversed(chain):  # outermost (most derived) class last wins
+    for f in chain:  # from the frame that called save_hyperparameters out: the most derived class wins
         info = inspect.getargvalues(f)
         for name in info.args:
             if name == "self":

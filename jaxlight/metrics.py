@@ -131,7 +131,10 @@ class MetricStore:
             return
         for k in epoch_keys:
             if k not in self._acc:
-                self._acc[k] = _acc_init(self.specs[k].reduce_fx)
+                init = _acc_init(self.specs[k].reduce_fx)
+                sharding = getattr(values[k][0], "sharding", None)
+                # placed like the step's values, so the update compiles once rather than twice
+                self._acc[k] = jax.device_put(init, sharding) if sharding is not None else init
         key = tuple((k, self.specs[k].reduce_fx) for k in epoch_keys)
         if key != self._update_key:
             fx = dict(key)

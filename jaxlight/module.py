@@ -74,7 +74,10 @@ class LightningModule(ModelHooks, DataHooks):
 
     Guarantees: every ``flax.nnx.Module`` attribute is trained state; after
     ``Trainer.fit`` those attributes hold the trained values as (possibly
-    sharded) ``jax.Array``s, so ``model.net(x)`` works directly. Step methods
+    sharded) ``jax.Array``s, so ``model.net(x)`` works directly; during fit
+    they are refreshed before validation and epoch-level hooks (the train
+    step donates its state, so per-batch hooks read ``trainer.train_state``
+    instead). Step methods
     (``training_step``, ``validation_step``, ``test_step``,
     ``predict_step``) are traced once each into compiled programs: they must
     be jax-traceable, and ``batch_idx`` arrives as a traced int32 scalar.

@@ -16,7 +16,8 @@ class Precision(NamedTuple):
     "32-true": everything fp32. "bf16-mixed": fp32 master parameters and
     optimizer state; the forward sees bf16 copies of the float parameters and
     float inputs, gradients flow back to the fp32 masters. "bf16-true":
-    parameters (and so optimizer state) stored in bf16.
+    parameters (and so optimizer state) stored in bf16, float inputs cast to
+    bf16.
     """
 
     name: str
@@ -47,10 +48,12 @@ def resolve_precision(precision: Any) -> Precision:
     if key == "bf16-mixed":
         return Precision("bf16-mixed", None, jnp.bfloat16)
     if key == "bf16-true":
-        return Precision("bf16-true", jnp.bfloat16, None)
+        # float inputs are cast as well (Lightning's convert_input), or fp32 batches would promote
+        # the whole forward back to fp32
+        return Precision("bf16-true", jnp.bfloat16, jnp.bfloat16)
     hint = ""
     if key.startswith("16") or key.startswith("fp16"):
         hint = " (fp16 needs dynamic loss scaling, which jaxlight does not do; use 'bf16-mixed')"
     if key == "64" or key.startswith("64"):
-        hint = " (enable jax_enable_x64 yourself and use '32-true' semantics are not double precision)"
+        hint = " (double precision needs jax_enable_x64, which jaxlight does not manage)"
     raise ValueError(f"precision={precision!r} is not supported; choose one of {PRECISIONS}{hint}")

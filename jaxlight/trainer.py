@@ -13,6 +13,7 @@ import collections
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -241,6 +242,8 @@ class Trainer:
         self.enable_checkpointing = enable_checkpointing is not False
         if self.enable_checkpointing:
             cbs = self._add_default_checkpoint(cbs)
+        if not self.fast_dev_run:
+            cbs = self._add_default_preemption(cbs)
         self.callbacks: list[Callback] = cbs
 
         # loggers
@@ -288,6 +291,7 @@ class Trainer:
         self._inflight: collections.deque = collections.deque()
         self._stage: str | None = None
         self._resume_batch_offset = 0
+        self._resume_loader_state: Any = None  # a restored train loader state, loaded before the next epoch
         self._loader_states: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ props
@@ -347,6 +351,11 @@ class Trainer:
         if not any(isinstance(c, ModelCheckpoint) for c in cbs):
             cbs = cbs + [ModelCheckpoint()]
         return cbs
+
+    def _add_default_preemption(self, cbs: list[Callback]) -> list[Callback]:
+        from jaxlight.callbacks.preemption import Preemption
+
+        return cbs if any(isinstance(c, Preemption) for c in cbs) else cbs + [Preemption()]
 
     # ------------------------------------------------------------------ hooks
     def _call(self, hook: str, *args: Any, module_too: bool = True, callbacks: Sequence[Callback] | None = None) -> Any:
@@ -464,7 +473,9 @@ class Trainer:
     def _mesh_ctx(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nnx.logical_axis_rules(self.strategy.logical_rules))
+        # Not flax's nnx.logical_axis_rules: flax reads a rules table as a rename
+        # (one mesh axis per name, no divisibility fallback, duplicates refused),
+        # so placement goes through jaxlight.strategies.resolve_spec only.
         stack.enter_context(nnx.use_eager_sharding(False))
         stack.enter_context(jl_nn.axis_rules(self.mesh, self.strategy.logical_rules))
         return stack
@@ -506,7 +517,10 @@ class Trainer:
                         object.__delattr__(module, k)
                     return models
 
-                abstract = nnx.eval_shape(build)
+                # Shapes and annotations only: with a mesh in context flax would turn the
+                # logical names into mesh axes itself; the placement comes from param_specs.
+                with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+                    abstract = nnx.eval_shape(build)
                 if not abstract:
                     raise MisconfigurationError(
                         f"{type(module).__name__} holds no flax.nnx.Module attribute: create the model in "
@@ -519,7 +533,9 @@ class Trainer:
                     _, p, r = nnx.split(models, nnx.Param, ...)
                     return parts.params.to_flat(p), parts.rest.to_flat(r)
 
-                params, rest = jax.jit(create, out_shardings=(psh, rsh))()
+                # Compiled SPMD: each device computes only its shards (kept for inspection).
+                self._init_compiled = jax.jit(create, out_shardings=(psh, rsh)).lower().compile()
+                params, rest = self._init_compiled()
             else:
                 parts, params, rest = split_models(existing)
                 psh, rsh = self._var_shardings(parts, params, rest)
@@ -539,11 +555,20 @@ class Trainer:
                 {k: named(self.mesh, s) for k, s in rspecs.items()})
 
     def _write_back(self, params: Mapping, rest: Mapping) -> None:
-        """Point the module's NNX attributes at concrete (sharded) arrays."""
+        """Point the module's NNX attributes at concrete (sharded) arrays.
+
+        Existing NNX modules are updated in place, as a torch module is, so any
+        other reference the user holds to them (``net = model.net``) sees the
+        trained values too; modules not created yet are built from the state.
+        """
         assert self._parts is not None and self.lightning_module is not None
-        models = merge_models(self._parts, params, rest, train=True)
-        for k, m in models.items():
-            object.__setattr__(self.lightning_module, k, m)
+        module, parts = self.lightning_module, self._parts
+        current = {k: module.__dict__.get(k) for k in parts.names}
+        if all(isinstance(m, nnx.Module) for m in current.values()):
+            nnx.update(current, parts.params.from_flat(params), parts.rest.from_flat(rest))
+            return
+        for k, m in merge_models(parts, params, rest, train=True).items():
+            object.__setattr__(module, k, m)
 
     def _read_module(self) -> tuple[dict, dict]:
         """Current params/rest from the module's NNX attributes (user may have changed them)."""
@@ -667,7 +692,7 @@ class Trainer:
         limit = {"train": self.limit_train_batches, "validate": self.limit_val_batches,
                  "test": self.limit_test_batches, "predict": self.limit_predict_batches}[stage]
         n = num_batches(loader)
-        if limit is None or limit == 1.0:
+        if limit is None or (isinstance(limit, float) and limit == 1.0):  # int 1 means one batch
             return n if n is not None else math.inf
         if isinstance(limit, float):
             if n is None:
@@ -678,9 +703,12 @@ class Trainer:
 
     def _prefetcher(self, stage: str, loader: Any, limit: int | float, start: int = 0) -> Prefetcher:
         placer = BatchPlacer(self.mesh, self.process_local_batches)
+        resume = None
+        if stage == "train":
+            resume, self._resume_loader_state = self._resume_loader_state, None
         return Prefetcher(loader, placer, limit=None if limit == math.inf else int(limit), start=start,
                           depth=self.prefetch, drop_ragged=self.ragged_batches == "drop", stage=stage,
-                          expected_rows=self._expected_rows.get(stage))
+                          expected_rows=self._expected_rows.get(stage), loader_state=resume)
 
     def _wait_run_ahead(self, token: Any) -> None:
         self._inflight.append(token)
@@ -707,6 +735,11 @@ class Trainer:
         except BaseException as e:
             status = "failed"
             self._inflight.clear()
+            if stage == "train":
+                try:  # leave the module usable with the last completed step's weights
+                    self._sync_module()
+                except Exception:  # noqa: BLE001 - e.g. the state was donated to the failed step
+                    pass
             for cb in self.callbacks:
                 try:
                     cb.on_exception(self, self.lightning_module, e)
@@ -754,10 +787,16 @@ class Trainer:
             raise MisconfigurationError("pass either dataloaders or a datamodule to fit, not both")
         with self._run("train", model, datamodule):
             self.should_stop = False
+            # val before train: Lightning's order (sanity check first); both before any work is done
+            val_loader = self._loader("validate", val_dataloaders)
             train_loader = self._loader("train", train_dataloaders)
             if train_loader is None:
                 raise MisconfigurationError("fit needs train_dataloaders, a datamodule or model.train_dataloader()")
-            val_loader = self._loader("validate", val_dataloaders)
+            if val_loader is not None and not model._overrides("validation_step"):
+                # Lightning: a val loader without validation_step skips validation, with a warning
+                warnings.warn(f"{type(model).__name__} has a val dataloader but no validation_step; "
+                              f"skipping validation", stacklevel=2)
+                val_loader = None
             self._setup_model()
             self._setup_training()
             if ckpt_path is not None:
@@ -768,7 +807,10 @@ class Trainer:
                     hp.update(dict(getattr(self.datamodule, "hparams")))
                 if hp:
                     LoggerCollection(self.loggers).log_hyperparams(hp)
-            if self.enable_model_summary and self.is_global_zero:
+            from jaxlight.callbacks.model_summary import ModelSummary  # a ModelSummary callback prints instead
+
+            if (self.enable_model_summary and self.is_global_zero
+                    and not any(isinstance(c, ModelSummary) for c in self.callbacks)):
                 assert self.train_state is not None
                 print(summarize(self.train_state.params, self.train_state.opt_state, self.mesh))
             self._call("on_fit_start")
@@ -794,6 +836,17 @@ class Trainer:
             raise MisconfigurationError(f"ckpt_path={ckpt_path!r}: checkpoint support is not available ({e})") from e
         restore_into_trainer(self, ckpt_path, stage)
 
+    def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
+        """Write the run's state to the new directory ``filepath`` and wait until it is committed.
+
+        Lightning's ``trainer.save_checkpoint``: every process must call it. The
+        checkpoint resumes with ``fit(ckpt_path=filepath)`` or loads with
+        ``Module.load_from_checkpoint(filepath)`` (see docs/checkpointing.md).
+        """
+        from jaxlight.checkpoint import save_checkpoint
+
+        save_checkpoint(self, filepath, weights_only=weights_only)
+
     def _sanity_check(self, val_loader: Any) -> None:
         self.sanity_checking = True
         saved = (dict(self.callback_metrics), dict(self.logged_metrics), dict(self.progress_bar_metrics))
@@ -815,14 +868,21 @@ class Trainer:
                         f"pass an int number of batches")
                 return math.inf
             return max(1, int(self.num_training_batches * self.val_check_interval))
+        if self.check_val_every_n_epoch is not None and self.val_check_interval > self.num_training_batches:
+            raise MisconfigurationError(
+                f"val_check_interval ({self.val_check_interval}) must be <= the number of training batches "
+                f"({self.num_training_batches}); set check_val_every_n_epoch=None to count batches across epochs")
         return self.val_check_interval
+
+    def _can_stop_early(self) -> bool:
+        # Lightning: should_stop is honoured once min_epochs *completed* epochs and min_steps are reached
+        # (current_epoch counts completed epochs at the epoch boundary and during an epoch alike).
+        return self.current_epoch >= self.min_epochs and self.global_step >= self.min_steps
 
     def _training_done(self) -> bool:
         if self.max_steps != -1 and self.global_step >= self.max_steps:
             return True
-        if self.should_stop and self.current_epoch + 1 >= self.min_epochs and self.global_step >= self.min_steps:
-            return True
-        return False
+        return self.should_stop and self._can_stop_early()
 
     def _fit_loop(self, train_loader: Any, val_loader: Any) -> None:
         self.training = True
@@ -844,9 +904,10 @@ class Trainer:
             self._resume_batch_offset = 0
             fetcher = self._prefetcher("train", train_loader, self.num_training_batches, start=start)
             self._batches_in_epoch = start
-            ran_val_at_end = False
+            ran_val_at_end = False  # validation ran after the last batch this epoch processed
             try:
                 for item in fetcher:
+                    ran_val_at_end = False
                     batch, idx = item.batch, item.index
                     self.batch_idx = idx
                     if self._call("on_train_batch_start", batch, idx) == -1:
@@ -874,7 +935,7 @@ class Trainer:
                     if self._should_validate(val_loader, idx, total_batches, val_every, is_last):
                         self._eval_loop("validate", val_loader, limit=self._limit("validate", val_loader),
                                         in_fit=True)
-                        ran_val_at_end = is_last
+                        ran_val_at_end = True
                     if self._training_done():
                         break
             finally:
@@ -885,14 +946,15 @@ class Trainer:
             # epoch end: epoch-level train metrics first, so epoch-end hooks see them
             epoch_logged = self._epoch_metrics("train")
             self._stage = "train"
+            self._sync_module()
             self._call_train_epoch_end()
             epoch_logged.update(self._epoch_metrics("train"))
             self._log_step_metrics_if_pending()
             self._send(epoch_logged)
             self.current_epoch += 1
             self._batches_in_epoch = 0
-        self._call("on_train_end")
         self._sync_module()
+        self._call("on_train_end")
 
     def _log_step_metrics_if_pending(self) -> None:
         # make the progress bar/logged values reflect the last step of the epoch
@@ -913,7 +975,7 @@ class Trainer:
             return False
         if self.check_val_every_n_epoch is not None and not self._val_epoch_due():
             return False
-        if self.should_stop and self.current_epoch + 1 >= self.min_epochs:
+        if self.should_stop and self._can_stop_early():
             return True
         if every == math.inf:
             return False
@@ -921,7 +983,13 @@ class Trainer:
         return current % every == 0 or (is_last and every >= self.num_training_batches)
 
     def _sync_module(self) -> None:
-        """After fit the module's NNX attributes hold the trained arrays."""
+        """Point the module's NNX attributes at the current train state.
+
+        Each train step donates the state, so the arrays the module held are
+        gone after the next step; the module is re-pointed (host work only, no
+        copy) before validation, before epoch-end hooks and at the end of fit,
+        not per batch. Per-batch hooks read ``trainer.train_state``.
+        """
         if self.train_state is not None:
             self._write_back(self.train_state.params, self.train_state.rest)
 
@@ -949,6 +1017,7 @@ class Trainer:
         setattr(self, count_attr, limit)
         if in_fit:
             params, rest = self.eval_params(), self.train_state.rest  # type: ignore[union-attr]
+            self._write_back(params, rest)  # hooks see the weights being evaluated (not donated arrays)
         else:
             params, rest = self._eval_state()
         self._call_module(f"on_{hook}_model_eval")
@@ -1001,6 +1070,9 @@ class Trainer:
                 raise MisconfigurationError(f"{stage}() needs a model (none was fitted with this trainer)")
         if isinstance(dataloaders, LightningDataModule):
             datamodule, dataloaders = dataloaders, None
+        method = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}[stage]
+        if stage != "predict" and not model._overrides(method):  # predict_step has a default
+            raise MisconfigurationError(f"{stage}() needs {type(model).__name__}.{method}(batch, batch_idx)")
         with self._run(stage, model, datamodule):
             loader = self._loader(stage, dataloaders)
             if loader is None:

@@ -6,5 +6,9 @@ logger is constructed.
 
 from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger, LoggerCollection
+from jaxlight.loggers.mlflow import MLFlowLogger
+from jaxlight.loggers.tensorboard import TensorBoardLogger
+from jaxlight.loggers.wandb import WandbLogger
 
 __all__ = ["CSVLogger", "Logger", "LoggerCollection"]
+__all__ += ["MLFlowLogger", "TensorBoardLogger", "WandbLogger"]

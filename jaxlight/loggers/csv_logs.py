@@ -7,7 +7,19 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxlight.loggers.logger import Logger, flatten_hparams
+from jaxlight.loggers.logger import Logger
+
+
+def _yaml_safe(value: Any) -> Any:
+    """Nested dicts/lists of plain values as they are (Lightning keeps hparams.yaml nested, so it can be
+    read back); anything else becomes its repr."""
+    if isinstance(value, Mapping):
+        return {str(k): _yaml_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_yaml_safe(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return repr(value)
 
 
 def _next_version(root: str) -> int:
@@ -72,7 +84,7 @@ class CSVLogger(Logger):
         return os.path.join(self.log_dir, "metrics.csv")
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self._hparams.update(flatten_hparams(params))
+        self._hparams.update(_yaml_safe(dict(params)))
         os.makedirs(self.log_dir, exist_ok=True)
         path = os.path.join(self.log_dir, "hparams.yaml")
         try:

@@ -9,6 +9,7 @@ from jaxlight.strategies.rules import (
     override_rules,
     resolve_spec,
 )
+from jaxlight.strategies.placement import LayoutError
 from jaxlight.strategies.strategy import (
     FILL,
     FSDP,
@@ -27,6 +28,7 @@ __all__ = [
     "PARAM_FORBIDDEN_AXES",
     "FILL",
     "FSDP",
+    "LayoutError",
     "DataParallel",
     "Strategy",
     "TensorParallel",

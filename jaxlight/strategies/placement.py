@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlight.state import logical_axes
-from jaxlight.strategies.rules import BATCH_AXES, PARAM_FORBIDDEN_AXES, Rules, resolve_spec
+from jaxlight.strategies.rules import BATCH_AXES, PARAM_FORBIDDEN_AXES, Rules, normalize_rules, resolve_spec
 from jaxlight.strategies.strategy import Strategy
 
 
@@ -56,24 +56,46 @@ def param_specs(
     """PartitionSpec tuples for flat parameters, with the guardrail applied."""
     rules = strategy.logical_rules
     mesh_shape = dict(mesh.shape)
+    user_rules = normalize_rules(strategy.rules) if strategy.rules else ()
     specs: dict[str, tuple] = {}
     for path, arr in abstract.items():
         shape = tuple(arr.shape)
         names = logical_axes(variables[path]) if path in variables else None
         size = math.prod(shape)
         if names is not None:
-            spec = resolve_spec(names, shape, rules, mesh_shape) if size >= strategy.min_shard else ()
+            _check_forbidden(path, shape, names, user_rules)
+            spec = resolve_spec(names, shape, rules, mesh_shape)
             bad = [a for a in _spec_axes(spec) if a in PARAM_FORBIDDEN_AXES]
             if bad:
                 raise LayoutError(
                     f"parameter {path} {shape} with logical axes {names} is placed on mesh axis "
-                    f"{bad[0]!r} by the rules; parameters may not use {PARAM_FORBIDDEN_AXES}"
+                    f"{bad[0]!r} (size {mesh_shape[bad[0]]}) by the rules; parameters may not use "
+                    f"{PARAM_FORBIDDEN_AXES}: those axes split the batch or hold pipeline stages"
                 )
+            if size < strategy.min_shard:
+                spec = ()  # small: replicated on purpose (a gather would cost more than it saves)
         else:
             spec = heuristic_spec(shape, mesh_shape, strategy.min_shard)
         specs[path] = spec
     check_tolerance(abstract, specs, strategy, mesh)
     return specs
+
+
+def _check_forbidden(path: str, shape: tuple, names: tuple, user_rules: Rules) -> None:
+    # A user rule sending a parameter's name to data/sequence/stage is refused on
+    # every mesh, not only where that axis happens to be larger than 1.
+    for name in names:
+        for rule_name, axes in user_rules:
+            if rule_name != name or axes is None:
+                continue
+            bad = [a for a in ((axes,) if isinstance(axes, str) else axes) if a in PARAM_FORBIDDEN_AXES]
+            if bad:
+                raise LayoutError(
+                    f"rule {rule_name!r} -> {axes!r} would place parameter {path} {shape} (logical axes "
+                    f"{names}) on mesh axis {bad[0]!r}; parameters may not use {PARAM_FORBIDDEN_AXES}: "
+                    f"data and sequence split the batch (the parameter would be gathered on every use) "
+                    f"and stage holds pipeline stages"
+                )
 
 
 def _shards_params(mesh_shape: Mapping[str, int]) -> bool:

@@ -103,6 +103,8 @@ def resolve_spec(
     For each dimension the candidates of its name are tried in precedence
     order; a candidate is taken when none of its mesh axes is already used by
     another dimension and the product of their sizes divides the dimension.
+    A candidate whose axes are all size 1 on this mesh is skipped (it would
+    shard nothing); an explicit ``None`` candidate keeps the dimension whole.
     Size-1 mesh axes are dropped from the result (they shard nothing), so the
     spec is the same for every topology where it matters.
     """
@@ -116,7 +118,10 @@ def resolve_spec(
             for rule_name, axes in rules:
                 if rule_name != name:
                     continue
-                cand = tuple(a for a in _as_tuple(axes) if mesh_shape.get(a, 1) > 1)
+                named_axes = _as_tuple(axes)
+                cand = tuple(a for a in named_axes if mesh_shape.get(a, 1) > 1)
+                if named_axes and not cand:
+                    continue  # its axes are size 1 on this mesh: try the next candidate
                 if any(a in used for a in cand):
                     continue
                 size = 1

@@ -44,6 +44,8 @@ class Strategy:
     name: str = "ddp"
     # Extension slots for later strategies (pipeline microbatches, host offload).
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Which of min_shard / tolerance the user set; ``+`` keeps a set value over a default.
+    explicit: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         for axis, size in self.axes.items():
@@ -77,14 +79,25 @@ class Strategy:
             for axis, size in list(axes.items()):
                 if size == FILL and axis != "fsdp":
                     axes[axis] = _COMPOSED_DEFAULT.get(axis, 2)
+        for key in set(self.options) & set(other.options):
+            if self.options[key] != other.options[key]:
+                raise ValueError(
+                    f"cannot compose {self.name!r} and {other.name!r}: option {key!r} is "
+                    f"{self.options[key]!r} vs {other.options[key]!r}")
         opts = {**self.options, **other.options}
+        guard = {}
+        for field in ("min_shard", "tolerance"):
+            a, b = getattr(self, field), getattr(other, field)
+            if field in self.explicit and field in other.explicit and a != b:
+                raise ValueError(f"cannot compose {self.name!r} and {other.name!r}: {field} {a} vs {b}")
+            guard[field] = b if field in other.explicit and field not in self.explicit else a
         return Strategy(
             axes=axes,
             rules=tuple(self.rules) + tuple(other.rules),
-            min_shard=min(self.min_shard, other.min_shard),
-            tolerance=min(self.tolerance, other.tolerance),
             name=_join_names(self.name, other.name),
             options=opts,
+            explicit=self.explicit | other.explicit,
+            **guard,
         )
 
     # -- derived -------------------------------------------------------------
@@ -165,18 +178,19 @@ class FSDP(Strategy):
 
     def __init__(
         self,
-        min_shard: int = 2**16,
-        tolerance: float = 0.02,
+        min_shard: int | None = None,
+        tolerance: float | None = None,
         *,
         size: int | None = None,
         rules: Rules | Mapping[str, MeshAxes] = (),
     ) -> None:
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"FSDP size must be a positive int, got {size!r}")
         super().__init__(
             axes={"fsdp": FILL if size is None else size},
             rules=normalize_rules(rules) if rules else (),
-            min_shard=min_shard,
-            tolerance=tolerance,
             name="fsdp",
+            **_guard(min_shard, tolerance),
         )
 
 
@@ -190,14 +204,27 @@ class TensorParallel(Strategy):
     and 2 when composed with an FSDP that fills the rest.
     """
 
-    def __init__(self, size: int | None = None, *, rules: Rules | Mapping[str, MeshAxes] = ()) -> None:
+    def __init__(self, size: int | None = None, *, rules: Rules | Mapping[str, MeshAxes] = (),
+                 min_shard: int | None = None, tolerance: float | None = None) -> None:
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"TensorParallel size must be a positive int, got {size!r}")
         super().__init__(
             axes={"tensor": FILL if size is None else size},
             rules=normalize_rules(rules) if rules else (),
             name="tp",
+            **_guard(min_shard, tolerance),
         )
+
+
+def _guard(min_shard: int | None, tolerance: float | None) -> dict[str, Any]:
+    """Strategy kwargs for the guardrail, remembering which ones the user set."""
+    out: dict[str, Any] = {"explicit": frozenset(
+        k for k, v in (("min_shard", min_shard), ("tolerance", tolerance)) if v is not None)}
+    if min_shard is not None:
+        out["min_shard"] = min_shard
+    if tolerance is not None:
+        out["tolerance"] = tolerance
+    return out
 
 
 STRATEGY_REGISTRY: dict[str, Any] = {

@@ -1,0 +1,197 @@
+"""Trainer overhead: ``Trainer.fit`` against a hand-written jit+optax loop.
+
+Workload (issue 2's reference): byte-level causal transformer, d_model=256,
+4 layers, 4 heads, sequence 128, batch 16, AdamW 3e-4, fp32, on the stdlib
+text. Both sides train the same NNX model from the same initialisation on the
+same host batches (numpy, transferred every step), with the state donated.
+
+Method. The two loops alternate inside one process and one ``fit``: a
+callback lets the trainer run ``--steps`` optimizer steps, then, from inside
+``on_train_batch_end``, runs the hand loop for ``--steps`` steps on the same
+batches, then hands control back, ``--rounds`` times. Each segment is timed
+from a drained device (``block_until_ready`` on the last step's loss and
+state) to a drained device, so each side keeps its normal asynchronous
+dispatch *within* the segment (the trainer's prefetch thread and run-ahead,
+the hand loop's plain async dispatch) and pays one drain per segment, the
+same for both. Compilation is excluded: the first ``--warmup`` trainer steps
+are not timed and the hand loop is compiled and run once before timing.
+Segments alternate T H T H ..., so slow drifts of a shared machine hit both
+sides alike; we report the median ms/step of each side, the ratio of the
+medians, and the median of the per-round ratios (each trainer segment against
+the hand segment that follows it). Besides wall time each segment records the
+process's CPU time (all threads: XLA's, the prefetch thread, Python), which
+other processes on a shared machine disturb far less than wall time. Timing
+whole fits of N steps minus a fit of 0 steps was rejected: every ``fit``
+re-creates the optimizer state and recompiles, and that compile time
+(seconds) swamps a 1% difference.
+
+``--profile N`` then runs N more trainer steps under cProfile and splits the
+loop's main-thread time into waiting for the device (the run-ahead bound and
+the periodic metric fetch) and host work (hooks, metric bookkeeping, the
+dispatch of the compiled step).
+
+The trainer runs with progress bar, logger, model summary, sanity check and
+checkpointing disabled; the module logs ``train_loss`` (a traced
+``self.log``), as real modules do, and ``log_every_n_steps`` keeps its
+default, so the periodic metric fetch is part of what is measured.
+
+    python benchmarks/overhead.py                 # 12 rounds x 6 steps
+    python benchmarks/overhead.py --profile 20    # + cProfile of 20 trainer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxlight as jl  # noqa: E402
+from common import BATCH_SIZE, LEARNING_RATE, REFERENCE, LMModule, build_model, lm_loss, make_batches  # noqa: E402
+
+
+class HandLoop:
+    """The baseline: ``jax.jit`` over value_and_grad + optax, params/opt state donated."""
+
+    def __init__(self, seed: int = 0) -> None:
+        net = build_model(REFERENCE, seed)
+        self.graphdef, self.params, self.rest = nnx.split(net, nnx.Param, ...)
+        tx = optax.adamw(LEARNING_RATE)
+        self.opt_state = tx.init(self.params)
+        graphdef = self.graphdef
+
+        def step(params, opt_state, rest, x, y):
+            def loss_fn(p):
+                return lm_loss(nnx.merge(graphdef, p, rest), x, y)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.step = jax.jit(step, donate_argnums=(0, 1))
+
+    def run(self, batches: list) -> tuple[float, float]:
+        """Run one step per batch from a drained device to a drained device; (wall, CPU) ms/step."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = None
+        for x, y in batches:
+            self.params, self.opt_state, loss = self.step(self.params, self.opt_state, self.rest, x, y)
+        jax.block_until_ready((loss, self.params))
+        n = len(batches)
+        return (time.perf_counter() - t0) / n * 1e3, (time.process_time() - c0) / n * 1e3
+
+
+class Alternate(jl.Callback):
+    """Times trainer segments and runs the hand loop between them."""
+
+    def __init__(self, hand: HandLoop, batches: list, warmup: int, steps: int) -> None:
+        self.hand, self.batches, self.warmup, self.steps = hand, batches, warmup, steps
+        self.trainer_ms: list[float] = []
+        self.hand_ms: list[float] = []
+        self.trainer_cpu: list[float] = []
+        self.hand_cpu: list[float] = []
+        self.t0 = self.c0 = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        done = batch_idx + 1
+        if done < self.warmup:
+            return
+        if done > self.warmup and (done - self.warmup) % self.steps:
+            return
+        jax.block_until_ready((outputs["loss"], trainer.train_state))
+        if done == self.warmup:
+            self.hand.run(self.batches[:2])  # compile + one steady step, untimed
+        else:
+            self.trainer_ms.append((time.perf_counter() - self.t0) / self.steps * 1e3)
+            self.trainer_cpu.append((time.process_time() - self.c0) / self.steps * 1e3)
+            r = len(self.trainer_ms) - 1
+            lo = self.warmup + r * self.steps
+            wall, cpu = self.hand.run(self.batches[lo:lo + self.steps])
+            self.hand_ms.append(wall)
+            self.hand_cpu.append(cpu)
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+
+def bench_trainer(**overrides) -> jl.Trainer:
+    kw = dict(devices=1, enable_progress_bar=False, logger=False, enable_model_summary=False,
+              num_sanity_val_steps=0, enable_checkpointing=False)
+    kw.update(overrides)
+    return jl.Trainer(**kw)
+
+
+def profile(n: int, batches: list) -> None:
+    """cProfile ``n`` steady trainer steps and print where the host time goes."""
+    import cProfile
+    import pstats
+
+    class Prof(jl.Callback):
+        def __init__(self) -> None:
+            self.prof = cProfile.Profile()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == 1:  # after the compile
+                jax.block_until_ready(outputs["loss"])
+                self.prof.enable()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.prof.disable()
+
+    cb = Prof()
+    trainer = bench_trainer(max_steps=n + 2, callbacks=[cb])
+    trainer.fit(LMModule(), train_dataloaders=batches[: n + 2])
+    stats = pstats.Stats(cb.prof)
+    total = stats.total_tt
+    # time the loop spends waiting for the device: the run-ahead bound and the periodic metric fetch
+    waiting = sum(v[2] for k, v in stats.stats.items() if k[2] in ("try_to_block", "_value"))
+    print(f"\ncProfile of {n} trainer steps (main thread; the prefetch thread is not profiled): "
+          f"{total / n * 1e3:.1f} ms/step in all, {waiting / n * 1e3:.1f} ms/step waiting for the device, "
+          f"{(total - waiting) / n * 1e3:.2f} ms/step of host work. By own time:")
+    stats.sort_stats("tottime").print_stats(15)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=12, help="trainer/hand segment pairs")
+    p.add_argument("--steps", type=int, default=6, help="steps per segment")
+    p.add_argument("--warmup", type=int, default=3, help="untimed trainer steps (compile) before the first round")
+    p.add_argument("--profile", type=int, default=0, help="also cProfile this many trainer steps")
+    args = p.parse_args()
+
+    total = args.warmup + args.rounds * args.steps
+    batches = make_batches(total, BATCH_SIZE, REFERENCE.seq_len, seed=0)
+    hand = HandLoop(seed=0)
+    alt = Alternate(hand, batches, args.warmup, args.steps)
+    trainer = bench_trainer(max_steps=total, callbacks=[alt])
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} x{trainer.num_devices}; reference workload "
+          f"d={REFERENCE.d_model} L={REFERENCE.n_layers} H={REFERENCE.n_heads} T={REFERENCE.seq_len} "
+          f"B={BATCH_SIZE}; {args.rounds} rounds x {args.steps} steps, alternating")
+    trainer.fit(LMModule(), train_dataloaders=batches)
+    if trainer.compile_counts["train"] != 1:
+        raise RuntimeError(f"the trainer compiled its step {trainer.compile_counts['train']} times; expected 1")
+
+    t, h, tc, hc = alt.trainer_ms, alt.hand_ms, alt.trainer_cpu, alt.hand_cpu
+    pair = [x / y for x, y in zip(t, h)]
+    pair_cpu = [x / y for x, y in zip(tc, hc)]
+    print(f"\n{'':>5} {'wall ms/step':^34} {'process CPU ms/step':^34}")
+    print(f"{'round':>5} {'trainer':>11} {'hand':>11} {'ratio':>10} {'trainer':>11} {'hand':>11} {'ratio':>10}")
+    for i in range(len(t)):
+        print(f"{i:>5} {t[i]:>11.2f} {h[i]:>11.2f} {pair[i]:>10.4f} {tc[i]:>11.2f} {hc[i]:>11.2f} {pair_cpu[i]:>10.4f}")
+    med = statistics.median
+    print(f"{'median':>6}{med(t):>11.2f} {med(h):>11.2f} {med(pair):>10.4f} {med(tc):>11.2f} {med(hc):>11.2f} "
+          f"{med(pair_cpu):>10.4f}")
+    print(f"\ntrainer / hand, ratio of median wall ms/step: {med(t) / med(h):.4f}  (target <= 1.01)")
+    print(f"trainer / hand, ratio of median CPU ms/step:  {med(tc) / med(hc):.4f}")
+    if args.profile:
+        profile(args.profile, batches)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Runnable examples; ``examples.models`` holds the transformer the benchmarks reuse."""

@@ -1,0 +1,100 @@
+"""NonFiniteGuard: a NaN/Inf loss or gradient norm stops the run (or skips the update), naming the step."""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlight.callbacks.callback import Callback
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced a non-finite loss or gradient norm."""
+
+    def __init__(self, message: str, step: int, epoch: int, batch_idx: int) -> None:
+        super().__init__(message)
+        self.step, self.epoch, self.batch_idx = step, epoch, batch_idx
+
+
+class NonFiniteGuard(Callback):
+    """Checks every train step's loss and global gradient norm for NaN/Inf, without a per-step sync.
+
+    ``action="stop"`` (default) raises :class:`NonFiniteError` naming the
+    optimizer step (0-based, the step loggers use), epoch and batch index
+    where it first happened. ``action="skip"`` makes the compiled step keep
+    parameters, optimizer state and other variables unchanged when the
+    step's loss or gradient norm is non-finite (the update is dropped; the
+    optimizer's step count does not advance) and prints a warning naming each
+    skipped step; ``self.skipped`` lists them. Either way nothing continues
+    silently. The values are read after the trainer's bounded run-ahead wait
+    has already synced their step (at most two steps behind the host), and
+    the last steps are checked at epoch and train end, so a stop happens at
+    most two steps after the bad one but always reports that exact step.
+    The gradient norm is also returned in the step outputs as
+    ``"grad_norm"``.
+    """
+
+    needs_grad_norm = True
+
+    def __init__(self, action: str = "stop", verbose: bool = True) -> None:
+        if action not in ("stop", "skip"):
+            raise ValueError(f"NonFiniteGuard action={action!r}; choose 'stop' or 'skip'")
+        self.action = action
+        self.verbose = verbose
+        self.skipped: list[int] = []
+        self._pending: collections.deque = collections.deque()
+
+    @property
+    def skip_nonfinite_updates(self) -> bool:  # read by the step builder
+        return self.action == "skip"
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._pending.clear()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        k = trainer.accumulate_grad_batches
+        step = (trainer._micro_batches - 1) // k  # the optimizer update this batch contributes to
+        self._pending.append((step, trainer.current_epoch, batch_idx, outputs["loss"], outputs.get("grad_norm")))
+        # entries older than the run-ahead window belong to steps the trainer has already waited for
+        from jaxlight.trainer import _RUN_AHEAD
+
+        ready = []
+        while len(self._pending) > _RUN_AHEAD:
+            ready.append(self._pending.popleft())
+        self._check(ready)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        ready = list(self._pending)
+        self._pending.clear()
+        self._check(ready)
+
+    def _check(self, entries: list[tuple]) -> None:
+        if not entries:
+            return
+        values = jax.device_get([(loss, gn) for _, _, _, loss, gn in entries])  # one transfer
+        for (step, epoch, idx, _, _), (loss, gn) in zip(entries, values):
+            loss = float(np.asarray(loss))
+            gn = float(np.asarray(gn)) if gn is not None else 0.0
+            if math.isfinite(loss) and math.isfinite(gn):
+                continue
+            what = f"loss={loss}, grad_norm={gn}"
+            if self.action == "skip":
+                self.skipped.append(step)
+                if self.verbose:
+                    print(f"NonFiniteGuard: non-finite {what} at step {step} (epoch {epoch}, batch {idx}); "
+                          f"the update was skipped")
+                continue
+            self._pending.clear()
+            raise NonFiniteError(
+                f"Non-finite {what} at step {step} (epoch {epoch}, batch {idx}); stopping. Use "
+                f"NonFiniteGuard(action='skip') to drop such updates instead.", step, epoch, idx)

@@ -1,0 +1,165 @@
+"""Preemption: turn a scheduler's SIGTERM into a clean stop with a resumable checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxlight.callbacks.callback import Callback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.trainer import Trainer
+
+# Micro-batches past the requesting process's position at which all processes stop.
+# Processes cannot drift further apart than the trainer's run-ahead (each step's
+# collectives tie them together), so this leaves room for the slowest to learn
+# of the request before it passes the agreed point.
+AGREE_MARGIN = 8
+_KV_TIMEOUT_MS = 300_000
+
+
+class Preemption(Callback):
+    """Stops ``fit`` cleanly when a preemption signal arrives (on by default).
+
+    The signal handler only records the signal. At the end of the current
+    train step the run stops, the checkpoint and the data position are written
+    synchronously (through the trainer's ``ModelCheckpoint``), and ``fit``
+    raises :class:`jaxlight.Preempted` (a ``SystemExit`` with code 143).
+    Running the same script with ``ckpt_path="last"`` resumes at that point.
+
+    In a multi-process run the signal may reach one process only: it publishes
+    a stop position (its step + ``AGREE_MARGIN`` micro-batches) in the
+    ``jax.distributed`` key-value store, every process polls that key once per
+    step (a local RPC, no device sync), and all of them stop at that same
+    step and write one consistent checkpoint. Single-process runs pay no
+    per-step cost beyond reading a Python attribute. Handlers are installed
+    for the duration of ``fit`` only (from the main thread) and the previous
+    handlers are put back afterwards.
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,), verbose: bool = True) -> None:
+        sigs = tuple(signals)
+        for s in sigs:
+            if not isinstance(s, int):
+                raise ValueError(f"signals must be signal numbers (e.g. signal.SIGTERM), got {s!r}")
+            if s in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(f"signal {signal.Signals(s).name} cannot be caught")
+        self.signals = sigs
+        self.verbose = verbose
+        self.received: int | None = None    # the first signal caught (set by the handler, nothing else)
+        self._previous: dict[int, Any] = {}
+        self._stop_at: int | None = None    # agreed micro-batch count to stop after
+        self._announced = False
+        self._ns = ""
+        self._runs = 0
+
+    @property
+    def state_key(self) -> str:
+        return "Preemption"
+
+    @property
+    def preemption_requested(self) -> bool:
+        return self.received is not None or self._stop_at is not None
+
+    # ------------------------------------------------------------------ handlers
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def setup(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.received, self._stop_at, self._announced = None, None, False
+        self._runs += 1
+        self._ns = f"jaxlight/preempt/{self._runs}"
+        if threading.current_thread() is not threading.main_thread():
+            if trainer.is_global_zero and self.verbose:
+                print("jaxlight: Preemption handler not installed (fit is not running in the main thread)")
+            return
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handler)
+
+    def teardown(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    # ------------------------------------------------------------------ the stop point
+    def on_train_batch_end(self, trainer: "Trainer", pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if jax.process_count() == 1:
+            if self.received is not None:
+                self._stop(trainer)
+            return
+        if self._should_stop_multi(trainer):
+            self._stop(trainer)
+
+    def on_train_end(self, trainer: "Trainer", pl_module: Any) -> None:
+        # A signal during the last step(s): training is over, but the scheduler still wants the process gone.
+        if jax.process_count() > 1:
+            client = self._client()
+            client.wait_at_barrier(f"{self._ns}/end", _KV_TIMEOUT_MS)
+            requested = self.received is not None or self._try_get(client, f"{self._ns}/stop_at") is not None
+        else:
+            requested = self.received is not None
+        if requested:
+            self._stop(trainer)
+
+    @staticmethod
+    def _client() -> Any:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("Preemption in a multi-process run needs jax.distributed.initialize()")
+        return client
+
+    @staticmethod
+    def _try_get(client: Any, key: str) -> str | None:
+        try:
+            return client.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - NOT_FOUND is reported as an error
+            return None
+
+    def _should_stop_multi(self, trainer: "Trainer") -> bool:
+        client = self._client()
+        here = trainer._micro_batches
+        if self._stop_at is None:
+            if self.received is not None and not self._announced:
+                self._announced = True
+                try:  # the first process to propose wins; the others read its value
+                    client.key_value_set(f"{self._ns}/stop_at", str(here + AGREE_MARGIN))
+                except Exception:  # noqa: BLE001 - already proposed by another process
+                    pass
+            value = self._try_get(client, f"{self._ns}/stop_at")
+            if value is None:
+                return False
+            self._stop_at = int(value)
+            if here > self._stop_at:
+                raise RuntimeError(
+                    f"preemption: process {jax.process_index()} is at micro-batch {here}, past the agreed stop "
+                    f"point {self._stop_at}; processes drifted more than AGREE_MARGIN={AGREE_MARGIN} apart")
+        return here >= self._stop_at
+
+    def _stop(self, trainer: "Trainer") -> None:
+        from jaxlight.checkpoint import Preempted
+
+        signum = self.received
+        path = None
+        ckpt_cbs = [c for c in trainer.checkpoint_callbacks if hasattr(c, "save_now")]
+        if ckpt_cbs:
+            path = ckpt_cbs[0].save_now(trainer, reason="preemption")
+        for cb in trainer.checkpoint_callbacks:  # other checkpoint callbacks finish what they started
+            wait = getattr(cb, "wait_until_finished", None)
+            if callable(wait):
+                wait()
+        if trainer.is_global_zero and self.verbose:
+            name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
+            where = f"checkpoint written to {path}" if path else "no checkpoint written (checkpointing is disabled)"
+            print(f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
+                  f"(epoch {trainer.current_epoch}, batch {trainer._batches_in_epoch}); {where}. "
+                  f"Run again with ckpt_path='last' to resume.")
+        raise Preempted(trainer.global_step, path, signum)

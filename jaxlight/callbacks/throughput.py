@@ -1,0 +1,180 @@
+"""ThroughputMonitor: samples/s, tokens/s, step time, FLOPs and MFU of the train step."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlight.callbacks.callback import Callback
+
+# Dense peak FLOP/s per device by device_kind substring: (bf16/fp16, fp32 matmul as XLA runs it by default).
+# Numbers are the vendors' published dense peaks (no sparsity).
+_PEAK_FLOPS: list[tuple[str, float, float]] = [
+    ("H200", 989.4e12, 494.7e12),
+    ("H100 PCIe", 756.0e12, 378.0e12),
+    ("H100", 989.4e12, 494.7e12),
+    ("GH200", 989.4e12, 494.7e12),
+    ("B200", 2250e12, 1100e12),
+    ("A100", 312e12, 156e12),
+    ("A10G", 70e12, 35e12),
+    ("L40S", 362e12, 183e12),
+    ("L4", 121e12, 60e12),
+    ("V100", 125e12, 15.7e12),
+    ("TPU v4", 275e12, 275e12),
+    ("TPU v5 lite", 197e12, 197e12),
+    ("TPU v5e", 197e12, 197e12),
+    ("TPU v5p", 459e12, 459e12),
+    ("TPU v5", 459e12, 459e12),
+    ("TPU v6 lite", 918e12, 918e12),
+    ("TPU v6e", 918e12, 918e12),
+]
+
+
+def peak_flops(device: Any, precision: str = "bf16-mixed") -> float | None:
+    """Published dense peak FLOP/s of one ``device`` for the trainer's precision, or None when unknown."""
+    kind = getattr(device, "device_kind", "")
+    half = "bf16" in precision or "16" in precision
+    for key, bf16, fp32 in _PEAK_FLOPS:
+        if key.lower() in kind.lower():
+            return bf16 if half else fp32
+    return None
+
+
+def _default_batch_size(batch: Any) -> int:
+    leaves = jax.tree.leaves(batch)
+    if not leaves or not getattr(leaves[0], "ndim", 0):
+        raise ValueError("ThroughputMonitor could not find the batch size (first array has no leading "
+                         "dimension); pass batch_size_fn=lambda batch: ...")
+    return int(leaves[0].shape[0])
+
+
+def _default_length(batch: Any) -> int | None:
+    # A 2-D integer array (token ids, [batch, seq]) says how many tokens the batch holds.
+    for leaf in jax.tree.leaves(batch):
+        if getattr(leaf, "ndim", 0) == 2 and np.issubdtype(leaf.dtype, np.integer):
+            return int(leaf.shape[0] * leaf.shape[1])
+    return None
+
+
+class ThroughputMonitor(Callback):
+    """Logs training throughput every ``log_every_n_steps``, averaged over the last ``window`` train steps.
+
+    Logged (with Lightning's ``train/`` prefix): ``step_time`` (seconds per
+    train-step call), ``batches_per_sec``, ``samples_per_sec`` and
+    ``device/samples_per_sec``, ``items_per_sec`` (tokens, when ``length_fn``
+    is given or the batch holds a 2-D integer array), ``flops_per_step``
+    (per device, from the compiled train step's ``cost_analysis()``; XLA
+    reports the partitioned per-device program), ``device/flops_per_sec``,
+    ``flops_per_sec`` (all devices) and ``device/mfu`` when the device's peak
+    is known (``peak_flops``, or a table of common GPUs/TPUs by
+    ``device_kind``). Timing uses host timestamps after the trainer's bounded
+    run-ahead wait, so there is no extra device sync: over a window of ``n``
+    steps the error is at most the two in-flight steps. Time spent in
+    validation inside ``fit`` is left out. ``batch_size_fn`` and
+    ``length_fn`` get the batch (global arrays) and should read shapes;
+    returning a device scalar is allowed and is only fetched at logging time.
+    Latest values are in ``self.metrics``.
+    """
+
+    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None,
+                 length_fn: Callable[[Any], Any] | None = None, peak_flops: float | None = None,
+                 window: int = 100, separator: str = "/") -> None:
+        if window < 1:
+            raise ValueError(f"ThroughputMonitor window must be >= 1, got {window}")
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"peak_flops must be > 0 (FLOP/s per device), got {peak_flops}")
+        self.batch_size_fn = batch_size_fn or _default_batch_size
+        self.length_fn = length_fn or _default_length
+        self.peak_flops = peak_flops
+        self.window = window
+        self.separator = separator
+        self.flops_per_step: float | None = None
+        self._peak: float | None = peak_flops
+        self._paused = 0.0
+        self._val_start: float | None = None
+        self.metrics: dict[str, float] = {}
+        self._times: collections.deque = collections.deque(maxlen=window + 1)
+        self._samples: collections.deque = collections.deque(maxlen=window + 1)
+        self._items: collections.deque = collections.deque(maxlen=window + 1)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._times.clear()
+        self._samples.clear()
+        self._items.clear()
+        self.flops_per_step = None
+        self._peak = self.peak_flops or peak_flops(trainer.mesh.devices.flat[0], trainer.precision)
+        self._paused = 0.0
+
+    # validation inside fit is not training time: it is taken out of the timestamps
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._val_start is not None:
+            self._paused += time.perf_counter() - self._val_start
+            self._val_start = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # After the trainer's run-ahead wait: the host is at most two steps ahead of the device here.
+        self._times.append(time.perf_counter() - self._paused)
+        self._samples.append(self.batch_size_fn(batch))
+        self._items.append(self.length_fn(batch))
+        if self.flops_per_step is None and "train" in trainer.compiled:
+            self.flops_per_step = _flops(trainer.compiled["train"])
+        stepped = trainer._micro_batches % trainer.accumulate_grad_batches == 0
+        if stepped and trainer.global_step % trainer.log_every_n_steps == 0:
+            self._compute_and_log(trainer)
+
+    def compute(self, num_devices: int) -> dict[str, float]:
+        """Rates over the current window (empty until two steps have been timed)."""
+        n = len(self._times) - 1
+        if n < 1:
+            return {}
+        dt = self._times[-1] - self._times[0]
+        if dt <= 0:
+            return {}
+        sep = self.separator
+        samples = float(sum(float(np.asarray(s)) for s in list(self._samples)[1:]))
+        out = {"step_time": dt / n, "batches_per_sec": n / dt, "samples_per_sec": samples / dt,
+               f"device{sep}samples_per_sec": samples / dt / num_devices}
+        items = list(self._items)[1:]
+        if items and all(i is not None for i in items):
+            tokens = float(sum(float(np.asarray(i)) for i in items))
+            out["items_per_sec"] = tokens / dt
+            out[f"device{sep}items_per_sec"] = tokens / dt / num_devices
+        if self.flops_per_step is not None:
+            dev = self.flops_per_step * n / dt
+            out["flops_per_step"] = self.flops_per_step
+            out[f"device{sep}flops_per_sec"] = dev
+            out["flops_per_sec"] = dev * num_devices
+            if self._peak:
+                out[f"device{sep}mfu"] = dev / self._peak
+        return {f"train{sep}{k}": v for k, v in out.items()}
+
+    def _compute_and_log(self, trainer: Any) -> None:
+        metrics = self.compute(trainer.mesh.size)
+        if not metrics:
+            return
+        self.metrics = metrics
+        trainer.logged_metrics.update(metrics)
+        if trainer.loggers and trainer.is_global_zero:
+            from jaxlight.loggers.logger import LoggerCollection
+
+            LoggerCollection(trainer.loggers).log_metrics(metrics, step=trainer.global_step - 1)
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends cannot analyse; then there is no FLOPs figure
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])

@@ -1,0 +1,160 @@
+"""Multi-process runs: start ``jax.distributed`` before anything touches a device.
+
+Every process runs the same script. Call :func:`initialize` first thing
+(before creating arrays, models or a Trainer); afterwards ``jax.devices()``
+lists the devices of every process, the Trainer builds one global mesh over
+them, logs and writes files on process 0 only, and each process reads its own
+share of every batch (``Trainer(process_local_batches=True)`` with
+:func:`jaxlight.data.data_partition`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+
+
+class ClusterSpec(NamedTuple):
+    """Where the coordinator is and which process this is."""
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    source: str  # "arguments", "JAX_* env", "torchrun env", or "jax auto-detect (SLURM, Open MPI, TPU, k8s)"
+
+
+def _int_env(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+def detect(coordinator_address: str | None = None, num_processes: int | None = None,
+           process_id: int | None = None) -> ClusterSpec | None:
+    """Work out the distributed setup from the arguments and the environment.
+
+    Precedence: explicit arguments; ``JAX_COORDINATOR_ADDRESS`` with
+    ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``; torchrun/Lightning-style
+    ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``; then the cluster
+    environments JAX detects itself (SLURM, Open MPI, TPU pods, Kubernetes),
+    for which the fields are left None for jax to fill. Returns None for a
+    plain single-process run.
+    """
+    if coordinator_address is not None or num_processes is not None or process_id is not None:
+        return ClusterSpec(coordinator_address, num_processes, process_id, "arguments")
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return ClusterSpec(os.environ["JAX_COORDINATOR_ADDRESS"], _int_env("JAX_NUM_PROCESSES"),
+                           _int_env("JAX_PROCESS_ID"), "JAX_* env")
+    if os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE"):
+        port = os.environ.get("MASTER_PORT", "29500")
+        return ClusterSpec(f"{os.environ['MASTER_ADDR']}:{port}", _int_env("WORLD_SIZE"),
+                           _int_env("RANK", "NODE_RANK"), "torchrun env")
+    if _cluster_env_present():
+        return ClusterSpec(None, None, None, "jax auto-detect (SLURM, Open MPI, TPU, k8s)")
+    return None
+
+
+def _cluster_env_present() -> bool:
+    try:
+        from jax._src import clusters  # jax's own SLURM/OMPI/TPU/k8s detection
+    except ImportError:  # pragma: no cover - layout of jax internals changed
+        return False
+    for env in getattr(clusters.ClusterEnv, "_cluster_types", ()):
+        try:
+            if env.is_env_present():
+                # A SLURM allocation of one task is a single-process run.
+                if env.__name__ == "SlurmCluster" and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+                    continue
+                return True
+        except Exception:  # noqa: BLE001 - a detector that cannot tell means "not this one"
+            continue
+    return False
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def is_initialized() -> bool:
+    """True once :func:`initialize` (or ``jax.distributed.initialize``) has run in this process."""
+    try:
+        from jax._src import distributed as _d
+
+        return _d.global_state.client is not None
+    except Exception:  # noqa: BLE001
+        return jax.process_count() > 1
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    *,
+    initialization_timeout: int = 300,
+) -> bool:
+    """Join this process to a multi-process JAX run; a no-op for a single process.
+
+    Call it before any JAX computation. With no arguments the setup is read
+    from the environment (see :func:`detect`): ``JAX_COORDINATOR_ADDRESS`` /
+    ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, torchrun's ``MASTER_ADDR`` /
+    ``MASTER_PORT`` / ``WORLD_SIZE`` / ``RANK``, or what jax detects itself
+    (SLURM, Open MPI, TPU pods). Returns True when a multi-process run was
+    joined, False when nothing asked for one. Raises a RuntimeError when JAX
+    has already started its backends in this process (too late to join) and
+    a ValueError when the setup is incomplete.
+    """
+    if is_initialized():
+        return True
+    spec = detect(coordinator_address, num_processes, process_id)
+    if spec is None:
+        return False
+    if _backends_started():
+        raise RuntimeError(
+            "jaxlight.distributed.initialize() must run before any JAX computation, but JAX's backends are "
+            "already initialized in this process (an array, a model or a Trainer was created first). Call it "
+            "at the top of the script.")
+    if spec.source != "jax auto-detect (SLURM, Open MPI, TPU, k8s)":
+        missing = [n for n, v in (("coordinator_address", spec.coordinator_address),
+                                  ("num_processes", spec.num_processes), ("process_id", spec.process_id))
+                   if v is None]
+        if missing:
+            raise ValueError(f"distributed setup from {spec.source} is missing {', '.join(missing)} "
+                             f"(got {spec._asdict()})")
+        if not 0 <= spec.process_id < spec.num_processes:  # type: ignore[operator]
+            raise ValueError(f"process_id={spec.process_id} is outside [0, num_processes={spec.num_processes})")
+    jax.distributed.initialize(
+        coordinator_address=spec.coordinator_address,
+        num_processes=spec.num_processes,
+        process_id=spec.process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=initialization_timeout,
+    )
+    return True
+
+
+def shutdown() -> None:
+    """Leave the multi-process run (at the end of a script; optional)."""
+    if is_initialized():
+        jax.distributed.shutdown()
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+__all__ = ["ClusterSpec", "detect", "initialize", "is_initialized", "process_count", "process_index", "shutdown"]

@@ -1,0 +1,161 @@
+"""MLFlowLogger: metrics and hyperparameters to an MLflow tracking server or local store."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jaxlight.loggers.logger import Logger, flatten_hparams
+
+_PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a parameter value's length
+
+
+class MLFlowLogger(Logger):
+    """Logs to an MLflow run (Lightning's ``MLFlowLogger`` arguments).
+
+    ``mlflow`` is imported, and the experiment and run created, on first use
+    (``self.experiment``), on process 0 only (the trainer calls loggers there).
+    ``tracking_uri`` may be a server, ``sqlite:///path.db`` or ``file:`` store;
+    unset, it is ``$MLFLOW_TRACKING_URI`` or ``file:<save_dir>``. Metrics are
+    logged with the trainer's step; NaN is kept as NaN (MLflow's stores clamp
+    +/-Inf to +/-1.8e308, a limit of MLflow). Hyperparameters are logged once
+    per run: the same key again with the same value is skipped, with a
+    different value it raises (MLflow refuses to change a parameter). The run
+    id is part of ``state_dict()``, so a run resumed from a checkpoint keeps
+    logging into the same MLflow run; ``run_id=`` does the same by hand.
+    ``finalize`` marks the run FINISHED/FAILED.
+    """
+
+    LOGGER_JOIN_CHAR = "-"
+
+    def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
+                 tracking_uri: str | None = None, tags: Mapping[str, Any] | None = None,
+                 save_dir: str | None = "./mlruns", log_model: bool = False, prefix: str = "",
+                 artifact_location: str | None = None, run_id: str | None = None) -> None:
+        if log_model:
+            raise ValueError("MLFlowLogger(log_model=True) is not supported; checkpoints are orbax directories "
+                             "(log them with logger.experiment.log_artifacts(run_id, path))")
+        if tracking_uri is None:
+            tracking_uri = os.getenv("MLFLOW_TRACKING_URI")
+        if tracking_uri is None and save_dir is not None:
+            tracking_uri = f"file:{os.path.abspath(save_dir)}"
+        self._experiment_name = experiment_name
+        self._run_name = run_name
+        self._tracking_uri = tracking_uri
+        self.tags = dict(tags or {})
+        self._save_dir = save_dir
+        self._prefix = prefix
+        self._artifact_location = artifact_location
+        self._run_id = run_id
+        self._experiment_id: str | None = None
+        self._client: Any = None
+        self._logged_params: dict[str, str] = {}
+
+    @property
+    def experiment(self) -> Any:
+        """The ``mlflow.tracking.MlflowClient``; creates the experiment and the run on first access."""
+        if self._client is not None:
+            return self._client
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self._tracking_uri)
+        if self._run_id is not None:
+            run = client.get_run(self._run_id)
+            self._experiment_id = run.info.experiment_id
+            if run.info.status != "RUNNING":
+                client.update_run(self._run_id, status="RUNNING")
+            self._logged_params = dict(run.data.params)
+        else:
+            exp = client.get_experiment_by_name(self._experiment_name)
+            if exp is None:
+                self._experiment_id = client.create_experiment(self._experiment_name,
+                                                               artifact_location=self._artifact_location)
+            else:
+                self._experiment_id = exp.experiment_id
+            tags = {k: str(v) for k, v in self.tags.items()}
+            if self._run_name is not None:
+                tags.setdefault("mlflow.runName", self._run_name)
+            run = client.create_run(self._experiment_id, run_name=self._run_name, tags=tags)
+            self._run_id = run.info.run_id
+        self._client = client
+        return client
+
+    @property
+    def run_id(self) -> str:
+        _ = self.experiment
+        assert self._run_id is not None
+        return self._run_id
+
+    @property
+    def experiment_id(self) -> str | None:
+        _ = self.experiment
+        return self._experiment_id
+
+    @property
+    def name(self) -> str | None:
+        return self._experiment_id if self._client is not None else self._experiment_name
+
+    @property
+    def version(self) -> str | None:
+        return self._run_id
+
+    @property
+    def save_dir(self) -> str | None:
+        uri = self._tracking_uri or ""
+        return uri[len("file:"):] if uri.startswith("file:") else None
+
+    @property
+    def log_dir(self) -> str | None:
+        return None
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat = {k: str(v)[:_PARAM_VALUE_LIMIT] for k, v in flatten_hparams(params).items()}
+        client = self.experiment
+        changed = {k: (self._logged_params[k], v) for k, v in flat.items()
+                   if k in self._logged_params and self._logged_params[k] != v}
+        if changed:
+            raise ValueError(f"MLFlowLogger: run {self._run_id} already has different values for parameters "
+                             f"{changed} (old, new); MLflow cannot change a logged parameter")
+        new = [Param(k, v) for k, v in flat.items() if k not in self._logged_params]
+        for i in range(0, len(new), 100):  # MLflow accepts at most 100 params per batch
+            client.log_batch(self._run_id, params=new[i:i + 100])
+        self._logged_params.update(flat)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = []
+        for k, v in metrics.items():
+            if isinstance(v, str):
+                raise ValueError(f"MLFlowLogger got a string for metric {k!r}; metrics must be numbers")
+            name = f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k
+            # MLflow metric names allow alphanumerics, _ - . space / ; replace anything else
+            name = re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)
+            items.append(Metric(name, float(v), ts, 0 if step is None else int(step)))
+        client = self.experiment
+        for i in range(0, len(items), 1000):
+            client.log_batch(self._run_id, metrics=items[i:i + 1000])
+
+    def finalize(self, status: str) -> None:
+        if self._client is None:
+            return
+        mlflow_status = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED"}.get(status, status)
+        self._client.set_terminated(self._run_id, mlflow_status)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self._run_id, "experiment_id": self._experiment_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        run_id = state.get("run_id")
+        if run_id is None:
+            return
+        if self._client is not None and self._run_id != run_id:
+            raise ValueError(f"MLFlowLogger already logs to run {self._run_id}; cannot switch to the checkpoint's "
+                             f"run {run_id} (create the logger fresh, or pass run_id=)")
+        self._run_id = run_id

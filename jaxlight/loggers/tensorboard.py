@@ -1,0 +1,120 @@
+"""TensorBoardLogger: TensorBoard event files written with tensorboard's own writer (no torch or TF)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jaxlight.loggers.csv_logs import _next_version
+from jaxlight.loggers.logger import Logger, flatten_hparams
+
+
+class TensorBoardLogger(Logger):
+    """Writes scalars to ``save_dir/name/version_N/events.out.tfevents.*`` (Lightning's layout and arguments).
+
+    Needs only the ``tensorboard`` package (``pip install jaxlight[tensorboard]``),
+    imported on first use; neither torch nor TensorFlow is imported. NaN/Inf
+    are written as such. Hyperparameters go to ``hparams.yaml`` and to the
+    HParams dashboard (with ``hp_metric`` set to -1 when
+    ``default_hp_metric``, as Lightning does). A resumed run appends to the
+    same version directory: the version is part of ``state_dict()``.
+    """
+
+    LOGGER_JOIN_CHAR = "-"
+
+    def __init__(self, save_dir: str | os.PathLike = "logs", name: str | None = "lightning_logs",
+                 version: int | str | None = None, default_hp_metric: bool = True, prefix: str = "",
+                 sub_dir: str | None = None, flush_secs: int = 120) -> None:
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._default_hp_metric = default_hp_metric
+        self._prefix = prefix
+        self._sub_dir = sub_dir
+        self._flush_secs = flush_secs
+        self._writer: Any = None
+        self._hparams: dict[str, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = _next_version(self.root_dir)
+        return self._version
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def log_dir(self) -> str:
+        v = self.version
+        d = os.path.join(self.root_dir, v if isinstance(v, str) else f"version_{v}")
+        return os.path.join(d, self._sub_dir) if self._sub_dir else d
+
+    @property
+    def experiment(self) -> Any:
+        """tensorboard's ``EventFileWriter`` for this run; created on first access."""
+        if self._writer is None:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = EventFileWriter(self.log_dir, flush_secs=self._flush_secs)
+        return self._writer
+
+    def _add(self, summary: Any, step: int | None) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        self.experiment.add_event(event_pb2.Event(wall_time=time.time(), step=int(step or 0), summary=summary))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        from tensorboard.compat.proto import summary_pb2
+
+        values = []
+        for k, v in metrics.items():
+            tag = f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k
+            values.append(summary_pb2.Summary.Value(tag=tag, simple_value=float(v)))
+        if values:
+            self._add(summary_pb2.Summary(value=values), step)
+
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
+        from tensorboard.plugins.hparams import summary_v2 as hp
+
+        self._hparams.update(flatten_hparams(params))
+        os.makedirs(self.log_dir, exist_ok=True)
+        import yaml
+
+        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as f:
+            yaml.safe_dump(self._hparams, f, sort_keys=False)
+        plain = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in self._hparams.items()}
+        self._add(hp.hparams_pb(plain), 0)
+        if metrics is None and self._default_hp_metric:
+            metrics = {"hp_metric": -1}
+        if metrics:
+            self.log_metrics(metrics, 0)
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None  # a later stage reopens a new event file in the same directory
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") is not None:
+            self._version = state["version"]

@@ -1,0 +1,109 @@
+"""WandbLogger: metrics and hyperparameters to a Weights & Biases run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jaxlight.loggers.logger import Logger, flatten_hparams
+
+
+class WandbLogger(Logger):
+    """Logs to a W&B run (Lightning's ``WandbLogger`` arguments).
+
+    ``wandb`` is imported and the run started (``wandb.init``) on first use
+    (``self.experiment``), on process 0 only. ``offline=True`` writes the run
+    under ``save_dir/wandb`` for a later ``wandb sync`` without an account.
+    Metrics are logged with ``trainer/global_step`` as their step metric, as
+    Lightning does, so several ``log_metrics`` calls for one step are fine;
+    NaN/Inf are logged as such. Hyperparameters go to ``run.config``. The run
+    id is part of ``state_dict()``: a run resumed from a checkpoint continues
+    the same W&B run (``resume="allow"``); ``id=``/``version=`` does the same
+    by hand. ``finalize`` does not finish the run (call ``wandb.finish()`` or
+    ``logger.experiment.finish()``), so ``trainer.test`` after ``fit`` logs to
+    the same run. Extra keyword arguments go to ``wandb.init``.
+    """
+
+    LOGGER_JOIN_CHAR = "-"
+
+    def __init__(self, name: str | None = None, save_dir: str = ".", version: str | None = None,
+                 offline: bool = False, dir: str | None = None, id: str | None = None,
+                 anonymous: bool | None = None, project: str | None = None, log_model: bool = False,
+                 experiment: Any = None, prefix: str = "", **kwargs: Any) -> None:
+        if log_model:
+            raise ValueError("WandbLogger(log_model=True) is not supported; checkpoints are orbax directories "
+                             "(log them as a wandb.Artifact yourself)")
+        self._name = name
+        self._save_dir = os.fspath(dir if dir is not None else save_dir)
+        self._id = version or id
+        self._offline = offline
+        self._anonymous = "allow" if anonymous else None
+        self._project = project or os.environ.get("WANDB_PROJECT", "lightning_logs")
+        self._prefix = prefix
+        self._kwargs = kwargs
+        self._experiment = experiment
+
+    @property
+    def experiment(self) -> Any:
+        """The ``wandb`` Run; started on first access."""
+        if self._experiment is not None:
+            return self._experiment
+        import wandb
+
+        if wandb.run is not None and self._id in (None, wandb.run.id):
+            self._experiment = wandb.run  # a run the user started themselves
+        else:
+            os.makedirs(self._save_dir, exist_ok=True)
+            init = dict(name=self._name, project=self._project, dir=self._save_dir, id=self._id,
+                        resume="allow", anonymous=self._anonymous)
+            if self._offline:
+                init["mode"] = "offline"
+            init.update(self._kwargs)
+            self._experiment = wandb.init(**{k: v for k, v in init.items() if v is not None})
+        run = self._experiment
+        if getattr(run, "define_metric", None) is not None:
+            run.define_metric("trainer/global_step")
+            run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+        self._id = run.id
+        return run
+
+    @property
+    def name(self) -> str | None:
+        return self._project
+
+    @property
+    def version(self) -> str | None:
+        return self._experiment.id if self._experiment is not None else self._id
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def log_dir(self) -> str | None:
+        return None
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self.experiment.config.update(flatten_hparams(params), allow_val_change=True)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        out = {(f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k): v for k, v in metrics.items()}
+        if step is not None:
+            out["trainer/global_step"] = step
+        self.experiment.log(out)
+
+    def finalize(self, status: str) -> None:
+        pass  # the run stays open for later stages; wandb finishes it at exit or on wandb.finish()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"id": self.version, "project": self._project}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        run_id = state.get("id")
+        if run_id is None:
+            return
+        if self._experiment is not None and self._experiment.id != run_id:
+            raise ValueError(f"WandbLogger already logs to run {self._experiment.id}; cannot switch to the "
+                             f"checkpoint's run {run_id} (create the logger fresh, or pass id=)")
+        self._id = run_id

@@ -1,0 +1,75 @@
+"""NonFiniteGuard: stops at the injected NaN step, or skips exactly that update."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxlight as jl
+from jaxlight.callbacks import NonFiniteError, NonFiniteGuard
+from tests.core_models import Classifier, batches, make_data, max_diff, quiet
+
+
+def poisoned(bad: int, n_batches: int = 8, bs: int = 16):
+    x, y = make_data(n_batches * bs)
+    x = x.copy()
+    x[bad * bs + 3, 0] = np.nan  # one NaN feature in batch `bad`
+    return batches(x, y, bs)
+
+
+@pytest.mark.parametrize("bad", [2, 7])  # 7: the last batch, inside the run-ahead window at the end
+def test_stop_names_the_step(bad):
+    data = poisoned(bad)
+    trainer = jl.Trainer(max_epochs=1, devices=8, callbacks=[NonFiniteGuard()], **quiet())
+    with pytest.raises(NonFiniteError, match=rf"at step {bad} \(epoch 0, batch {bad}\)") as ei:
+        trainer.fit(Classifier(), data)
+    assert ei.value.step == bad
+    assert trainer.global_step <= bad + 3  # stopped within the bounded run-ahead
+
+
+def test_stop_step_counts_optimizer_updates_with_accumulation():
+    data = poisoned(5)
+    trainer = jl.Trainer(max_epochs=1, devices=1, accumulate_grad_batches=2, callbacks=[NonFiniteGuard()], **quiet())
+    with pytest.raises(NonFiniteError) as ei:
+        trainer.fit(Classifier(), data)
+    assert (ei.value.step, ei.value.batch_idx) == (2, 5)  # micro-batch 5 belongs to update 2
+
+
+def test_skip_drops_exactly_that_update():
+    bad = 3
+    data = poisoned(bad)
+    guard = NonFiniteGuard(action="skip", verbose=False)
+    model = Classifier()
+    jl.Trainer(max_epochs=1, devices=8, callbacks=[guard], **quiet()).fit(model, data)
+    assert guard.skipped == [bad]
+    # Skipping keeps params and optimizer state (Adam's count too), so the result equals training without that batch.
+    ref = Classifier()
+    jl.Trainer(max_epochs=1, devices=8, **quiet()).fit(ref, data[:bad] + data[bad + 1:])
+    got, want = nnx.state(model.net, nnx.Param), nnx.state(ref.net, nnx.Param)
+    assert max_diff(got, want) <= 1e-6
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(got))
+
+
+def test_skip_leaves_params_unchanged_at_that_step():
+    bad = 2
+    data = poisoned(bad)
+    seen = {}
+
+    class Snap(jl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx in (bad - 1, bad):
+                seen[batch_idx] = {k: np.asarray(v) for k, v in trainer.train_state.params.items()}
+                seen[f"skipped{batch_idx}"] = bool(outputs["skipped"])
+
+    trainer = jl.Trainer(max_epochs=1, devices=1, callbacks=[NonFiniteGuard("skip", verbose=False), Snap()],
+                         **quiet())
+    trainer.fit(Classifier(), data)
+    assert seen[f"skipped{bad}"] and not seen[f"skipped{bad - 1}"]
+    for k in seen[bad]:
+        np.testing.assert_array_equal(seen[bad][k], seen[bad - 1][k])
+    assert int(trainer.train_state.step) == len(data) - 1  # the device's update count skipped one
+
+
+def test_bad_action():
+    with pytest.raises(ValueError, match="action"):
+        NonFiniteGuard(action="ignore")
