@@ -522,10 +522,15 @@ def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage
         dm = trainer.datamodule
         if dm is not None and "datamodule" in ckpt:
             dm.load_state_dict(ckpt["datamodule"]["state"])
-        saved_loggers = ckpt.get("loggers", [])
-        for lg, saved in zip(trainer.loggers, saved_loggers):
-            if saved.get("class") == type(lg).__qualname__ and saved.get("state"):
-                lg.load_state_dict(saved["state"])
+        # Match saved logger states to this run's loggers by class, in order, so a resume with
+        # a different logger list still hands each logger its own run id.
+        pending = list(ckpt.get("loggers", []))
+        for lg in trainer.loggers:
+            match = next((s for s in pending if s.get("class") == type(lg).__qualname__), None)
+            if match is not None:
+                pending.remove(match)
+                if match.get("state"):
+                    lg.load_state_dict(match["state"])
     if module is not None:
         module.on_load_checkpoint(ckpt)
     trainer._restored_ckpt_path = str(path)

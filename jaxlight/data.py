@@ -157,6 +157,8 @@ class BatchPlacer:
         return self.partition.count
 
     def check(self, rows: int, index: int | None = None) -> None:
+        if rows == 0:
+            raise BatchError(f"batch {index} has 0 rows" if index is not None else "batch has 0 rows")
         if rows % self.divisor:
             where = f" (batch {index})" if index is not None else ""
             raise BatchError(

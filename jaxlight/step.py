@@ -118,23 +118,30 @@ class StepBuilder:
 
         (loss, (extras, logs, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         assert self.tx is not None
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params = {k: v.astype(state.params[k].dtype) for k, v in params.items()}
         outputs = {"loss": loss, **extras}
-        gnorm = None
+        gnorm = ok = None
         if self.with_grad_norm or self.skip_nonfinite:
             gnorm = optax.global_norm(grads)
             outputs["grad_norm"] = gnorm
+        accumulating = isinstance(state.opt_state, optax.MultiStepsState)
         if self.skip_nonfinite:
             ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            params = keep(params, state.params)
-            opt_state = keep(opt_state, state.opt_state)
-            rest = keep(rest, state.rest)
             outputs["skipped"] = ~ok
-        updated = _has_updated(opt_state)
+            if accumulating:
+                # Under accumulation the bad micro-batch still counts towards its window (so the
+                # update boundary stays aligned with global_step) but contributes a zero gradient.
+                grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        params = {k: v.astype(state.params[k].dtype) for k, v in params.items()}
         if self.skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            if not accumulating:
+                params = keep(params, state.params)
+                opt_state = keep(opt_state, state.opt_state)
+            rest = keep(rest, state.rest)
+        updated = _has_updated(opt_state)
+        if self.skip_nonfinite and not accumulating:
             updated = updated & ok
         step = state.step + updated.astype(jnp.int32)
         info = {"updated": updated, "step": step}

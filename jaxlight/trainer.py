@@ -640,6 +640,14 @@ class Trainer:
             if ext is not None:
                 exts.append(ext)
                 extra[ext.name] = cb.init_step_state(self, params)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(extra[ext.name])[0]:
+                    sh = getattr(leaf, "sharding", None)
+                    if not (isinstance(sh, NamedSharding) and sh.mesh == self.mesh):
+                        raise MisconfigurationError(
+                            f"{type(cb).__name__}.init_step_state returned leaf "
+                            f"{jax.tree_util.keystr(path) or '<root>'} that is not a jax.Array placed on "
+                            f"trainer.mesh (got {type(leaf).__name__} with sharding {sh}); place it with "
+                            f"jax.device_put(x, NamedSharding(trainer.mesh, spec))")
         needs_gnorm = any(getattr(cb, "needs_grad_norm", False) for cb in self.callbacks)
         skip = any(getattr(cb, "skip_nonfinite_updates", False) for cb in self.callbacks)
         self._builder = StepBuilder(module, self._parts, self.precision_plugin, tx, tuple(exts),
@@ -659,6 +667,8 @@ class Trainer:
         """Lower and compile one stage's step for the given example arguments (once)."""
         b = self._builder
         assert b is not None
+        if jax.process_count() > 1:
+            _assert_same_batch_across_processes(stage, args[-2])
         with self._mesh_ctx():
             if stage == "train":
                 fn = jax.jit(b.train_step, donate_argnums=0,
@@ -1109,6 +1119,24 @@ class Trainer:
         """Run ``predict_step`` over every batch; returns the per-batch outputs (jax arrays)."""
         preds = self._run_eval("predict", model, dataloaders, ckpt_path, datamodule)
         return preds if return_predictions is not False else None
+
+
+def _assert_same_batch_across_processes(stage: str, batch: Any) -> None:
+    """Processes that compile different steps would wait on each other forever: compare the
+    batch structure once per stage (a CRC of shapes and dtypes) and fail with the shapes instead."""
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    desc = repr([(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
+                 for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]])
+    digest = np.int64(zlib.crc32(desc.encode()))
+    try:
+        multihost_utils.assert_equal(digest, f"{stage} batches differ across processes")
+    except AssertionError as e:
+        raise MisconfigurationError(
+            f"{stage} batches have a different structure on process {jax.process_index()}: {desc}; every "
+            f"process must yield batches of the same shapes and dtypes") from e
 
 
 def _print_results(title: str, metrics: Mapping[str, float]) -> None:

@@ -44,7 +44,8 @@ for run in ("ddp", "fsdp", "fsdp_global"):
     part = data_partition(trainer.mesh)
     rows = 32 // part.count if process_local else 32
     # With process_local_batches this process's loader holds only its share of each global batch.
-    local = [{"tokens": b["tokens"][part.index * rows:(part.index + 1) * rows]} for b in global_batches]
+    local = [{"tokens": b["tokens"][part.index * rows:(part.index + 1) * rows]} for b in global_batches] \
+        if process_local else global_batches
     cb = Losses()
     trainer.callbacks.append(cb)
     model = LM()

@@ -73,3 +73,16 @@ def test_skip_leaves_params_unchanged_at_that_step():
 def test_bad_action():
     with pytest.raises(ValueError, match="action"):
         NonFiniteGuard(action="ignore")
+
+
+def test_skip_under_accumulation_keeps_update_boundaries():
+    # The bad micro-batch contributes a zero gradient to its window; the window still updates, so the
+    # device's update count stays equal to the host's global_step.
+    data = poisoned(3)
+    guard = NonFiniteGuard(action="skip", verbose=False)
+    model = Classifier()
+    trainer = jl.Trainer(max_epochs=1, devices=1, accumulate_grad_batches=2, callbacks=[guard], **quiet())
+    trainer.fit(model, data)
+    assert guard.skipped == [1]  # micro-batch 3 belongs to update 1
+    assert int(trainer.train_state.step) == trainer.global_step == len(data) // 2
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(nnx.state(model.net, nnx.Param)))

@@ -38,10 +38,11 @@ CONFIGS = {
 }
 
 
-def _fit(strategy, devices, data, summary=False, **lm):
+def _fit(strategy, devices, data, summary=False, ema=False, **lm):
     cb = Losses()
     model = LM(**lm)
-    trainer = jl.Trainer(max_epochs=1, devices=devices, strategy=strategy, callbacks=[cb],
+    cbs = [cb, jl.callbacks.EMA(decay=0.9)] if ema else [cb]
+    trainer = jl.Trainer(max_epochs=1, devices=devices, strategy=strategy, callbacks=cbs,
                          **quiet(enable_model_summary=summary))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -54,7 +55,8 @@ def runs():
     data = token_batches(3, 64)
     res = {}
     for name, (strategy, devices) in CONFIGS.items():
-        res[name] = _fit(strategy, devices, data, summary=(name == "fsdp"), opt="adam+grad")
+        res[name] = _fit(strategy, devices, data, summary=(name == "fsdp"), ema=(name == "fsdp+tp"),
+                         opt="adam+grad")
     return res
 
 
@@ -147,6 +149,16 @@ def test_optimizer_state_follows_parameters(runs, name):
         seen += 1
         assert leaf.sharding.is_equivalent_to(params[pk].sharding, leaf.ndim), (path, leaf.sharding)
     assert seen == 3 * len(params)  # the first-gradient copy, adam's mu and nu
+
+
+def test_ema_follows_parameters(runs):
+    trainer, *_ = runs["fsdp+tp"]
+    ema = next(iter(trainer.train_state.extra.values()))
+    params = trainer.train_state.params
+    assert ema.keys() == params.keys()
+    for k, v in params.items():
+        assert ema[k].sharding.is_equivalent_to(v.sharding, v.ndim), k
+    assert any(not v.sharding.is_fully_replicated for v in ema.values())
 
 
 # ---------------------------------------------------------------- memory

@@ -14,7 +14,8 @@ class LambdaCallback(Callback):
 
     def __init__(self, **hooks: Callable[..., Any]) -> None:
         for name, fn in hooks.items():
-            if not hasattr(Callback, name) or name.startswith("_") or name in ("state_dict", "load_state_dict"):
+            is_hook = name.startswith("on_") or name in ("setup", "teardown")
+            if not (is_hook and callable(getattr(Callback, name, None))):
                 raise ValueError(f"LambdaCallback got {name!r}, which is not a Callback hook")
             if not callable(fn):
                 raise TypeError(f"LambdaCallback {name} must be callable")

@@ -29,7 +29,9 @@ class NonFiniteGuard(Callback):
     parameters, optimizer state and other variables unchanged when the
     step's loss or gradient norm is non-finite (the update is dropped; the
     optimizer's step count does not advance) and prints a warning naming each
-    skipped step; ``self.skipped`` lists them. Either way nothing continues
+    skipped step; under ``accumulate_grad_batches`` the bad micro-batch
+    contributes a zero gradient to its window instead, so update boundaries
+    stay aligned with ``global_step``; ``self.skipped`` lists them. Either way nothing continues
     silently. The values are read after the trainer's bounded run-ahead wait
     has already synced their step (at most two steps behind the host), and
     the last steps are checked at epoch and train end, so a stop happens at

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
 AGREE_MARGIN = 8
 _KV_TIMEOUT_MS = 300_000
 
+
+_FIT_COUNTER = itertools.count(1)
 
 class Preemption(Callback):
     """Stops ``fit`` cleanly when a preemption signal arrives (on by default).
@@ -55,7 +58,6 @@ class Preemption(Callback):
         self._stop_at: int | None = None    # agreed micro-batch count to stop after
         self._announced = False
         self._ns = ""
-        self._runs = 0
 
     @property
     def state_key(self) -> str:
@@ -74,8 +76,9 @@ class Preemption(Callback):
         if stage != "fit":
             return
         self.received, self._stop_at, self._announced = None, None, False
-        self._runs += 1
-        self._ns = f"jaxlight/preempt/{self._runs}"
+        # Process-wide fit counter: every process runs the same sequence of fits (SPMD), so the
+        # namespace agrees across processes, and a key left by an earlier fit is never reused.
+        self._ns = f"jaxlight/preempt/{next(_FIT_COUNTER)}"
         if threading.current_thread() is not threading.main_thread():
             if trainer.is_global_zero and self.verbose:
                 print("jaxlight: Preemption handler not installed (fit is not running in the main thread)")

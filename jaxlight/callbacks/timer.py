@@ -41,11 +41,18 @@ class Timer(Callback):
         self.verbose = verbose
         self._start: float | None = None
         self._offset = 0.0
+        self._restored = False
 
     def time_elapsed(self) -> float:
         if self._start is None:
             return self._offset
         return self._offset + time.monotonic() - self._start
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Time carries over from a restored checkpoint only, not from an earlier fit() call.
+        if not self._restored:
+            self._offset = 0.0
+        self._restored = False
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.monotonic()
@@ -74,3 +81,4 @@ class Timer(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._offset = float(state_dict.get("time_elapsed", 0.0))
+        self._restored = True
