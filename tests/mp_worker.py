@@ -64,6 +64,17 @@ for run in ("ddp", "fsdp", "fsdp_global"):
 
 # tensor axis across both processes: the two processes hold the same rows and read one share together.
 result["tp_partition"] = list(data_partition(jl.strategies.resolve_strategy("tp").build_mesh(jax.devices())))
+# Processes whose loaders disagree on batch shapes would compile different steps and wait on each other
+# forever; the trainer compares the batch structure once and raises instead.
+trainer = jl.Trainer(strategy="ddp", devices=4, max_epochs=1, enable_progress_bar=False, logger=False,
+                     enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     process_local_batches=True)
+uneven = [{"tokens": b["tokens"][:16, : 9 - pid]} for b in global_batches]
+try:
+    trainer.fit(LM(), uneven)
+    result["mismatch"] = None
+except jl.MisconfigurationError as e:
+    result["mismatch"] = str(e)
 with open(os.path.join(out, f"result_{pid}.json"), "w") as f:
     json.dump(result, f)
 jl.distributed.shutdown()

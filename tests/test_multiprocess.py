@@ -87,3 +87,6 @@ def test_two_processes_train_like_one(tmp_path):
     assert [r["tp_partition"] for r in results] == [[0, 1, 2, 0], [0, 1, 2, 1]]
     # the model summary is printed by process 0 only
     assert "Mesh: data=8 (8 devices)" in outs[0] and "Mesh:" not in outs[1]
+    # loaders yielding different batch shapes per process raise on every process instead of hanging
+    for r in results:
+        assert r["mismatch"] is not None and "different structure" in r["mismatch"], r["mismatch"]
