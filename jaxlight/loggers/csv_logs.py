@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxlight.loggers.logger import Logger
+from jaxlight.loggers.logger import VersionedDirLogger
 
 
 def _yaml_safe(value: Any) -> Any:
@@ -22,20 +22,7 @@ def _yaml_safe(value: Any) -> Any:
     return repr(value)
 
 
-def _next_version(root: str) -> int:
-    if not os.path.isdir(root):
-        return 0
-    versions = []
-    for d in os.listdir(root):
-        if d.startswith("version_") and os.path.isdir(os.path.join(root, d)):
-            try:
-                versions.append(int(d.split("_", 1)[1]))
-            except ValueError:
-                pass
-    return max(versions) + 1 if versions else 0
-
-
-class CSVLogger(Logger):
+class CSVLogger(VersionedDirLogger):
     """Writes metrics to a CSV file, one row per ``log_metrics`` call.
 
     Rows are buffered and appended every ``flush_logs_every_n_steps`` and at
@@ -47,37 +34,12 @@ class CSVLogger(Logger):
 
     def __init__(self, save_dir: str = "logs", name: str | None = "lightning_logs", version: int | str | None = None,
                  prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
-        self._save_dir = os.fspath(save_dir)
-        self._name = name or ""
-        self._version = version
+        super().__init__(save_dir, name, version)
         self._prefix = prefix
         self._flush_every = flush_logs_every_n_steps
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
         self._hparams: dict[str, Any] = {}
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> int | str:
-        if self._version is None:
-            self._version = _next_version(self.root_dir)
-        return self._version
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def root_dir(self) -> str:
-        return os.path.join(self._save_dir, self._name)
-
-    @property
-    def log_dir(self) -> str:
-        v = self.version
-        return os.path.join(self.root_dir, v if isinstance(v, str) else f"version_{v}")
 
     @property
     def metrics_file_path(self) -> str:

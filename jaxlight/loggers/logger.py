@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,53 @@ class Logger:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
+
+
+def next_version(root: str) -> int:
+    """The next free ``version_N`` number under ``root`` (0 when there is none)."""
+    if not os.path.isdir(root):
+        return 0
+    versions = []
+    for d in os.listdir(root):
+        if d.startswith("version_") and os.path.isdir(os.path.join(root, d)):
+            try:
+                versions.append(int(d.split("_", 1)[1]))
+            except ValueError:
+                pass
+    return max(versions) + 1 if versions else 0
+
+
+class VersionedDirLogger(Logger):
+    """A logger writing to ``save_dir/name/version_N`` (Lightning's layout); ``version=None``
+    takes the next free ``version_N`` on first use, a string is used as the directory name."""
+
+    def __init__(self, save_dir: str | os.PathLike, name: str | None, version: int | str | None) -> None:
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = next_version(self.root_dir)
+        return self._version
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def log_dir(self) -> str:
+        v = self.version
+        return os.path.join(self.root_dir, v if isinstance(v, str) else f"version_{v}")
 
 
 class LoggerCollection:

@@ -7,11 +7,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaxlight.loggers.csv_logs import _next_version
-from jaxlight.loggers.logger import Logger, flatten_hparams
+from jaxlight.loggers.logger import VersionedDirLogger, flatten_hparams
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(VersionedDirLogger):
     """Writes scalars to ``save_dir/name/version_N/events.out.tfevents.*`` (Lightning's layout and arguments).
 
     Needs only the ``tensorboard`` package (``pip install jaxlight[tensorboard]``),
@@ -27,9 +26,7 @@ class TensorBoardLogger(Logger):
     def __init__(self, save_dir: str | os.PathLike = "logs", name: str | None = "lightning_logs",
                  version: int | str | None = None, default_hp_metric: bool = True, prefix: str = "",
                  sub_dir: str | None = None, flush_secs: int = 120) -> None:
-        self._save_dir = os.fspath(save_dir)
-        self._name = name or ""
-        self._version = version
+        super().__init__(save_dir, name, version)
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._sub_dir = sub_dir
@@ -38,27 +35,8 @@ class TensorBoardLogger(Logger):
         self._hparams: dict[str, Any] = {}
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> int | str:
-        if self._version is None:
-            self._version = _next_version(self.root_dir)
-        return self._version
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def root_dir(self) -> str:
-        return os.path.join(self._save_dir, self._name)
-
-    @property
     def log_dir(self) -> str:
-        v = self.version
-        d = os.path.join(self.root_dir, v if isinstance(v, str) else f"version_{v}")
+        d = super().log_dir
         return os.path.join(d, self._sub_dir) if self._sub_dir else d
 
     @property
