@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from jaxlight.data import _FRESH_EPOCH_KEY, _GENERATOR_KEY
 
@@ -180,12 +181,14 @@ def dump_checkpoint(trainer: "Trainer", weights_only: bool = False) -> dict[str,
     module = trainer.lightning_module
     epoch, in_epoch, fresh = _epoch_position(trainer)
     loader_state = trainer._loader_states.get("train")
+    per_process = _gather_per_process(loader_state) if _loaders_are_per_process(trainer) else None
     ckpt: dict[str, Any] = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "jaxlight_version": _version(),
         "loops": {"fit_loop": {"resume_epoch": epoch, "batches_in_epoch": in_epoch, "fresh_epoch": fresh,
-                               "micro_batches": trainer._micro_batches, "loader_state": loader_state}},
+                               "micro_batches": trainer._micro_batches, "loader_state": loader_state,
+                               "loader_states_by_process": per_process}},
         "hyper_parameters": dict(module.hparams) if module is not None else {},
         "hparams_name": "kwargs",
     }
@@ -206,6 +209,24 @@ def dump_checkpoint(trainer: "Trainer", weights_only: bool = False) -> dict[str,
     if module is not None:
         module.on_save_checkpoint(ckpt)
     return ckpt
+
+
+def _loaders_are_per_process(trainer: "Trainer") -> bool:
+    # With process-local batches each process's loader is at its own position; otherwise every
+    # process reads the same loader and process 0's state stands for all.
+    return jax.process_count() > 1 and bool(trainer.process_local_batches)
+
+
+def _gather_per_process(state: Any) -> list[Any]:
+    """Every process's loader state, in process order (a collective: all processes call it)."""
+    from jax.experimental import multihost_utils
+
+    blob = np.frombuffer(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(blob.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [pickle.loads(every[i, : int(n)].tobytes()) for i, n in enumerate(sizes)]
 
 
 def _version() -> str:
@@ -507,6 +528,15 @@ def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage
         trainer._batches_in_epoch = int(fl["batches_in_epoch"])
         trainer._resume_batch_offset = int(fl["batches_in_epoch"])
         state = fl.get("loader_state")
+        by_process = fl.get("loader_states_by_process")
+        if by_process is not None or _loaders_are_per_process(trainer):
+            if by_process is None or len(by_process) != jax.process_count():
+                saved = "one shared loader" if by_process is None else f"{len(by_process)} per-process loaders"
+                raise CheckpointError(
+                    f"{path} holds the data position of {saved}, but this run has {jax.process_count()} "
+                    f"processes with process_local_batches={trainer.process_local_batches}; an exact resume "
+                    f"needs the same process count and loader layout")
+            state = by_process[jax.process_index()]
         if fl.get("fresh_epoch"):
             gen = state.get(_GENERATOR_KEY) if isinstance(state, Mapping) else None
             state = {_FRESH_EPOCH_KEY: True, **({_GENERATOR_KEY: gen} if gen is not None else {})}

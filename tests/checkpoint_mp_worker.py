@@ -2,7 +2,7 @@
 
 Usage: python tests/checkpoint_mp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR JSON_OPTIONS
 Options: max_steps, ckpt_path, wait_signal_at (process 1 only: after that micro-batch print READY and wait
-for a signal). Prints PREEMPTED/DONE lines; process 0 writes OUT_DIR/params.npz when fit returns.
+for a signal), process_local (each process reads its own shuffled StatefulDataLoader share). Prints PREEMPTED/DONE lines; process 0 writes OUT_DIR/params.npz when fit returns.
 """
 
 import json
@@ -41,9 +41,21 @@ class Driver(jl.Callback):
 
 x, y = arrays(64)
 data = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)]
+if opts.get("process_local"):
+    # Each process reads its own half through its own shuffled loader, so the loaders' positions and
+    # generator states differ between processes and each must resume from its own.
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    share = torch.utils.data.TensorDataset(torch.from_numpy(x[pid * 32:(pid + 1) * 32]),
+                                           torch.from_numpy(y[pid * 32:(pid + 1) * 32]))
+    gen = torch.Generator()
+    gen.manual_seed(100 + pid)
+    data = StatefulDataLoader(share, batch_size=4, shuffle=True, generator=gen)
 ckpt = jl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=5, save_last=True)
 t = jl.Trainer(strategy="ddp", devices=4, max_steps=opts["max_steps"], logger=False, enable_progress_bar=False,
-               enable_model_summary=False, callbacks=[Driver(), ckpt])
+               enable_model_summary=False, callbacks=[Driver(), ckpt],
+               process_local_batches=bool(opts.get("process_local")))
 try:
     t.fit(DropoutClassifier(), data, ckpt_path=opts.get("ckpt_path"))
 except jl.Preempted as e:
