@@ -188,7 +188,10 @@ def dump_checkpoint(trainer: "Trainer", weights_only: bool = False) -> dict[str,
         "jaxlight_version": _version(),
         "loops": {"fit_loop": {"resume_epoch": epoch, "batches_in_epoch": in_epoch, "fresh_epoch": fresh,
                                "micro_batches": trainer._micro_batches, "loader_state": loader_state,
-                               "loader_states_by_process": per_process}},
+                               "loader_states_by_process": per_process,
+                               # epoch-level self.log accumulators of the epoch in progress
+                               "train_metrics": (trainer._stores["train"].state_dict()
+                                                 if in_epoch and "train" in trainer._stores else None)}},
         "hyper_parameters": dict(module.hparams) if module is not None else {},
         "hparams_name": "kwargs",
     }
@@ -528,6 +531,12 @@ def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage
         trainer._batches_in_epoch = int(fl["batches_in_epoch"])
         trainer._resume_batch_offset = int(fl["batches_in_epoch"])
         state = fl.get("loader_state")
+        if fl.get("train_metrics") and not fl.get("fresh_epoch"):
+            from jaxlight.metrics import MetricStore
+
+            store = MetricStore()
+            store.load_state_dict(fl["train_metrics"])
+            trainer._stores["train"] = store
         by_process = fl.get("loader_states_by_process")
         if by_process is not None or _loaders_are_per_process(trainer):
             if by_process is None or len(by_process) != jax.process_count():

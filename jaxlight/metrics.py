@@ -155,6 +155,16 @@ class MetricStore:
         self._acc = {}
         self.step_values = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch accumulators as host floats (one transfer), so a mid-epoch resume continues them."""
+        acc = jax.device_get(self._acc)
+        return {"specs": {k: s._asdict() for k, s in self.specs.items()},
+                "acc": {k: [float(np.asarray(a)), float(np.asarray(w))] for k, (a, w) in acc.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.register({k: LogSpec(**s) for k, s in state.get("specs", {}).items()})
+        self._acc = {k: (jnp.float32(a), jnp.float32(w)) for k, (a, w) in state.get("acc", {}).items()}
+
 
 def to_host(values: Mapping[str, Any]) -> dict[str, float]:
     """One transfer for many scalars."""

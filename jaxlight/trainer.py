@@ -908,9 +908,10 @@ class Trainer:
         self._call("on_train_start")
         total_batches = self._micro_batches
         while not self._training_done() and (self.max_epochs == -1 or self.current_epoch < self.max_epochs):
-            self._stores.setdefault("train", MetricStore()).reset_epoch()
-            self._call("on_train_epoch_start")
             start = self._resume_batch_offset
+            if not start:  # a mid-epoch resume continues the restored epoch accumulators
+                self._stores.setdefault("train", MetricStore()).reset_epoch()
+            self._call("on_train_epoch_start")
             self._resume_batch_offset = 0
             fetcher = self._prefetcher("train", train_loader, self.num_training_batches, start=start)
             self._batches_in_epoch = start

@@ -127,3 +127,32 @@ def test_configured_signal_without_checkpointing(tmp_path):
     assert not os.path.exists(tmp_path / "checkpoints")
     with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
         jl.callbacks.Preemption(signals=(signal.SIGKILL,))
+
+
+class EpochMeanClassifier(DropoutClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_mean", loss, on_step=False, on_epoch=True)  # an epoch-level reduction
+        return loss
+
+
+class EpochValues(jl.Callback):
+    def __init__(self) -> None:
+        self.values: dict[int, float] = {}
+
+    def on_train_epoch_end(self, trainer, module):
+        self.values[trainer.current_epoch] = float(trainer.callback_metrics["loss_mean"])
+
+
+def test_mid_epoch_resume_continues_epoch_level_metrics(tmp_path):
+    ref_vals = EpochValues()
+    trainer(str(tmp_path / "ref"), callbacks=[ref_vals], max_steps=MAX_STEPS).fit(EpochMeanClassifier(),
+                                                                                    _loader("stateful"))
+    run = str(tmp_path / "run")
+    with pytest.raises(jl.Preempted):
+        trainer(run, callbacks=[SignalAt(11)], max_steps=MAX_STEPS).fit(EpochMeanClassifier(), _loader("stateful"))
+    vals = EpochValues()
+    trainer(run, callbacks=[vals], max_steps=MAX_STEPS).fit(EpochMeanClassifier(), _loader("stateful"),
+                                                            ckpt_path="last")
+    # epoch 1 was interrupted after 3 of its 8 batches: its mean still covers all 8 batches
+    assert 1 in vals.values and vals.values[1] == pytest.approx(ref_vals.values[1], rel=1e-6, abs=1e-7)
