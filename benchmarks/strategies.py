@@ -63,10 +63,10 @@ def compile_step(strategy, dims: dict, batch: int, seq: int):
         abstract = nnx.eval_shape(build)
     parts, aparams, arest = split_models(abstract)
     psh, rsh = trainer._var_shardings(parts, aparams, arest)  # the trainer's own placement (guardrail included)
-    trainer._param_shardings, trainer._init_params = psh, aparams
+    trainer._param_shardings = psh
     tx = module.configure_optimizers()
     opt_shapes = jax.eval_shape(tx.init, aparams)
-    osh = trainer._opt_shardings(opt_shapes)
+    osh = trainer._opt_shardings(opt_shapes, aparams)
     rep = NamedSharding(trainer.mesh, P())
     builder = StepBuilder(module, parts, trainer.precision_plugin, tx)
     state_sh = TrainState(psh, rsh, osh, {}, rep)

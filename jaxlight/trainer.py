@@ -546,7 +546,6 @@ class Trainer:
         self._param_shardings = psh
         self._rest_shardings = rsh
         self._write_back(params, rest)
-        self._init_params, self._init_rest = params, rest
 
     def _var_shardings(self, parts: ModelParts, params: Mapping, rest: Mapping) -> tuple[dict, dict]:
         pspecs = param_specs(params, parts.params.variables, self.strategy, self.mesh)
@@ -610,7 +609,7 @@ class Trainer:
             tx = optax.MultiSteps(tx, every_k_schedule=self.accumulate_grad_batches)
         return tx
 
-    def _opt_shardings(self, opt_shapes: Any) -> Any:
+    def _opt_shardings(self, opt_shapes: Any, params: Mapping[str, Any]) -> Any:
         """Optimizer state leaves keyed by a parameter path take that parameter's sharding."""
         psh = self._param_shardings
         rep = NamedSharding(self.mesh, P())
@@ -619,7 +618,7 @@ class Trainer:
             for k in reversed(path):
                 key = getattr(k, "key", None)
                 if isinstance(key, str) and key in psh:
-                    if tuple(leaf.shape) == tuple(self._init_params[key].shape):
+                    if tuple(leaf.shape) == tuple(params[key].shape):
                         return psh[key]
             return rep
 
@@ -632,7 +631,6 @@ class Trainer:
         tx = self._configure_optimizers()
         params, rest = self._read_module()
         params = self.precision_plugin.store(params)
-        self._init_params = params
         exts: list[StepExtension] = []
         extra: dict[str, Any] = {}
         for cb in self.callbacks:
@@ -654,7 +652,7 @@ class Trainer:
                                     with_grad_norm=needs_gnorm, skip_nonfinite=skip)
         with self._mesh_ctx():
             opt_shapes = jax.eval_shape(tx.init, params)
-            osh = self._opt_shardings(opt_shapes)
+            osh = self._opt_shardings(opt_shapes, params)
             opt_state = jax.jit(tx.init, out_shardings=osh)(params)
         self._state_shardings = TrainState(
             self._param_shardings, self._rest_shardings, osh,

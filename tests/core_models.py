@@ -135,3 +135,16 @@ class EagerClassifier(Classifier):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.configure_model()
+
+
+def csv_history(path):
+    """{metric: [(step, value), ...]} read from a CSVLogger metrics.csv (an independent reader for tests)."""
+    import csv
+
+    hist = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if k != "step" and v not in ("", None):
+                    hist.setdefault(k, []).append((int(row["step"]), float(v)))
+    return hist

@@ -1,12 +1,11 @@
 """MLFlowLogger against a real SQLite store: the run's metric history equals what CSVLogger wrote."""
 
-import csv
 import math
 
 import pytest
 
 import jaxlight as jl
-from tests.core_models import Classifier, batches, make_data, quiet
+from tests.core_models import Classifier, batches, make_data, quiet, csv_history
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -23,16 +22,6 @@ def uri(tmp_path_factory):
 class NaNAtEpoch1(Classifier):
     def on_train_epoch_end(self):
         self.log("odd", float("nan") if self.current_epoch == 1 else 1.0 * self.current_epoch)
-
-
-def csv_history(path):
-    hist = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            for k, v in row.items():
-                if k != "step" and v not in ("", None):
-                    hist.setdefault(k, []).append((int(row["step"]), float(v)))
-    return hist
 
 
 def same(a, b):

@@ -1,6 +1,5 @@
 """TensorBoardLogger event files read back with tensorboard; `jaxlight plot` PNGs from a CSVLogger run."""
 
-import csv
 import math
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import jaxlight as jl
 from jaxlight.cli import main as cli_main
 from jaxlight.plot import plot_metrics
-from tests.core_models import Classifier, batches, make_data, quiet
+from tests.core_models import Classifier, batches, make_data, quiet, csv_history
 
 DATA = batches(*make_data(64), 16)
 
@@ -20,16 +19,6 @@ DATA = batches(*make_data(64), 16)
 class InfAtEpoch1(Classifier):
     def on_train_epoch_end(self):
         self.log("odd", float("inf") if self.current_epoch == 1 else 0.5)
-
-
-def csv_history(path):
-    hist = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            for k, v in row.items():
-                if k != "step" and v not in ("", None):
-                    hist.setdefault(k, []).append((int(row["step"]), float(v)))
-    return hist
 
 
 @pytest.fixture(scope="module")
