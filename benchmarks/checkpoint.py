@@ -81,8 +81,14 @@ def run(width: int, layers: int, saves: int, every: int, async_save: bool, root:
     d = os.path.join(root, "async" if async_save else "sync")
     cb = TimedCheckpoint(dirpath=d, every_n_train_steps=every, save_top_k=-1, async_save=async_save)
     data = [np.random.default_rng(i).normal(size=(8, width)).astype(np.float32) for i in range(saves * every)]
-    t = jl.Trainer(devices=1, max_steps=saves * every, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, callbacks=[cb])
+    t = jl.Trainer(
+        devices=1,
+        max_steps=saves * every,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     start = time.perf_counter()
     t.fit(Big(width, layers), data)
     total = time.perf_counter() - start
@@ -103,8 +109,14 @@ def main() -> None:
         scb, stotal, _, trainer = run(args.width, args.layers, args.saves, args.every, False, root)
         acb, atotal, nbytes, _ = run(args.width, args.layers, args.saves, args.every, True, root)
         # restore the newest async checkpoint into a fresh trainer (arrays into its shardings, host state)
-        fresh = jl.Trainer(devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                           enable_model_summary=False, enable_checkpointing=False)
+        fresh = jl.Trainer(
+            devices=1,
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         fresh._attach(Big(args.width, args.layers), None)
         fresh._setup_model()
         fresh._setup_training()
@@ -115,8 +127,10 @@ def main() -> None:
         # the first save also waits for nothing; later async saves may wait for the previous one's commit
         a, s = np.array(acb.blocked), np.array(scb.blocked)
         params = sum(x.size for x in jax.tree.leaves(trainer.train_state.params))
-        print(f"model: {params / 1e6:.1f}M parameters, train state {nbytes / 2**20:.0f} MiB "
-              f"(params + Adam), {args.saves} saves every {args.every} steps, backend {jax.default_backend()}")
+        print(
+            f"model: {params / 1e6:.1f}M parameters, train state {nbytes / 2**20:.0f} MiB "
+            f"(params + Adam), {args.saves} saves every {args.every} steps, backend {jax.default_backend()}"
+        )
         print(f"{'':28s}{'mean s':>10s}{'median s':>10s}{'max s':>10s}")
         print(f"{'loop blocked, async save':28s}{a.mean():10.3f}{np.median(a):10.3f}{a.max():10.3f}")
         print(f"{'loop blocked, sync save':28s}{s.mean():10.3f}{np.median(s):10.3f}{s.max():10.3f}")
@@ -124,12 +138,16 @@ def main() -> None:
         print(f"fit wall time: async {atotal:.2f} s, sync {stotal:.2f} s")
         waits = sum(acb.waited)
         if waits:
-            print(f"{waits} of {len(a)} async saves started while the previous one was still being written and "
-                  f"waited for its commit (checkpointing more often than the disk can take); raise --every")
+            print(
+                f"{waits} of {len(a)} async saves started while the previous one was still being written and "
+                f"waited for its commit (checkpointing more often than the disk can take); raise --every"
+            )
         ratio = a.mean() / s.mean()
         print(f"ratio blocked async / sync = {ratio:.3f}  (target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'})")
-        print(f"sync write throughput {nbytes / s.mean() / 2**20:.0f} MiB/s, "
-              f"restore throughput {nbytes / restore_s / 2**20:.0f} MiB/s")
+        print(
+            f"sync write throughput {nbytes / s.mean() / 2**20:.0f} MiB/s, "
+            f"restore throughput {nbytes / restore_s / 2**20:.0f} MiB/s"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

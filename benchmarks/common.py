@@ -34,17 +34,31 @@ BATCH_SIZE = 16
 LEARNING_RATE = 3e-4
 
 __all__ = [
-    "BATCH_SIZE", "LEARNING_RATE", "REFERENCE", "CausalTransformer", "GPTConfig", "LMModule", "build_model",
-    "lm_loss", "make_batches", "random_windows", "stdlib_bytes",
+    "BATCH_SIZE",
+    "LEARNING_RATE",
+    "REFERENCE",
+    "CausalTransformer",
+    "GPTConfig",
+    "LMModule",
+    "build_model",
+    "lm_loss",
+    "make_batches",
+    "random_windows",
+    "stdlib_bytes",
 ]
 
 
-def make_batches(n: int, batch_size: int = BATCH_SIZE, seq_len: int = REFERENCE.seq_len, seed: int = 0,
-                 data: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def make_batches(
+    n: int,
+    batch_size: int = BATCH_SIZE,
+    seq_len: int = REFERENCE.seq_len,
+    seed: int = 0,
+    data: np.ndarray | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """``n`` host batches ``(tokens, next_tokens)`` of int32 ``(batch_size, seq_len)`` from the stdlib text."""
     data = stdlib_bytes(2_000_000) if data is None else data
     x, y = random_windows(data, seq_len, n * batch_size, seed)
-    return [(x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]) for i in range(n)]
+    return [(x[i * batch_size : (i + 1) * batch_size], y[i * batch_size : (i + 1) * batch_size]) for i in range(n)]
 
 
 def build_model(cfg: GPTConfig = REFERENCE, seed: int = 0) -> CausalTransformer:
@@ -62,8 +76,9 @@ def lm_loss(net: CausalTransformer, x: jax.Array, y: jax.Array) -> jax.Array:
 class LMModule(jl.LightningModule):
     """The reference workload as a LightningModule: AdamW, next-byte cross-entropy."""
 
-    def __init__(self, cfg: GPTConfig = REFERENCE, lr: float = LEARNING_RATE, seed: int = 0,
-                 log_loss: bool = True) -> None:
+    def __init__(
+        self, cfg: GPTConfig = REFERENCE, lr: float = LEARNING_RATE, seed: int = 0, log_loss: bool = True
+    ) -> None:
         super().__init__()
         self.cfg, self.lr, self.seed, self.log_loss = cfg, lr, seed, log_loss
 

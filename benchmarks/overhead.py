@@ -49,13 +49,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import optax
+from common import BATCH_SIZE, LEARNING_RATE, REFERENCE, LMModule, build_model, lm_loss, make_batches
+from flax import nnx
 
-import jaxlight as jl  # noqa: E402
-from common import BATCH_SIZE, LEARNING_RATE, REFERENCE, LMModule, build_model, lm_loss, make_batches  # noqa: E402
+import jaxlight as jl
 
 
 class HandLoop:
@@ -114,15 +113,21 @@ class Alternate(jl.Callback):
             self.trainer_cpu.append((time.process_time() - self.c0) / self.steps * 1e3)
             r = len(self.trainer_ms) - 1
             lo = self.warmup + r * self.steps
-            wall, cpu = self.hand.run(self.batches[lo:lo + self.steps])
+            wall, cpu = self.hand.run(self.batches[lo : lo + self.steps])
             self.hand_ms.append(wall)
             self.hand_cpu.append(cpu)
         self.t0, self.c0 = time.perf_counter(), time.process_time()
 
 
 def bench_trainer(**overrides) -> jl.Trainer:
-    kw = dict(devices=1, enable_progress_bar=False, logger=False, enable_model_summary=False,
-              num_sanity_val_steps=0, enable_checkpointing=False)
+    kw = dict(
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+    )
     kw.update(overrides)
     return jl.Trainer(**kw)
 
@@ -151,9 +156,11 @@ def profile(n: int, batches: list) -> None:
     total = stats.total_tt
     # time the loop spends waiting for the device: the run-ahead bound and the periodic metric fetch
     waiting = sum(v[2] for k, v in stats.stats.items() if k[2] in ("try_to_block", "_value"))
-    print(f"\ncProfile of {n} trainer steps (main thread; the prefetch thread is not profiled): "
-          f"{total / n * 1e3:.1f} ms/step in all, {waiting / n * 1e3:.1f} ms/step waiting for the device, "
-          f"{(total - waiting) / n * 1e3:.2f} ms/step of host work. By own time:")
+    print(
+        f"\ncProfile of {n} trainer steps (main thread; the prefetch thread is not profiled): "
+        f"{total / n * 1e3:.1f} ms/step in all, {waiting / n * 1e3:.1f} ms/step waiting for the device, "
+        f"{(total - waiting) / n * 1e3:.2f} ms/step of host work. By own time:"
+    )
     stats.sort_stats("tottime").print_stats(15)
 
 
@@ -170,9 +177,11 @@ def main() -> None:
     hand = HandLoop(seed=0)
     alt = Alternate(hand, batches, args.warmup, args.steps)
     trainer = bench_trainer(max_steps=total, callbacks=[alt])
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} x{trainer.num_devices}; reference workload "
-          f"d={REFERENCE.d_model} L={REFERENCE.n_layers} H={REFERENCE.n_heads} T={REFERENCE.seq_len} "
-          f"B={BATCH_SIZE}; {args.rounds} rounds x {args.steps} steps, alternating")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind} x{trainer.num_devices}; reference workload "
+        f"d={REFERENCE.d_model} L={REFERENCE.n_layers} H={REFERENCE.n_heads} T={REFERENCE.seq_len} "
+        f"B={BATCH_SIZE}; {args.rounds} rounds x {args.steps} steps, alternating"
+    )
     trainer.fit(LMModule(), train_dataloaders=batches)
     if trainer.compile_counts["train"] != 1:
         raise RuntimeError(f"the trainer compiled its step {trainer.compile_counts['train']} times; expected 1")
@@ -185,8 +194,10 @@ def main() -> None:
     for i in range(len(t)):
         print(f"{i:>5} {t[i]:>11.2f} {h[i]:>11.2f} {pair[i]:>10.4f} {tc[i]:>11.2f} {hc[i]:>11.2f} {pair_cpu[i]:>10.4f}")
     med = statistics.median
-    print(f"{'median':>6}{med(t):>11.2f} {med(h):>11.2f} {med(pair):>10.4f} {med(tc):>11.2f} {med(hc):>11.2f} "
-          f"{med(pair_cpu):>10.4f}")
+    print(
+        f"{'median':>6}{med(t):>11.2f} {med(h):>11.2f} {med(pair):>10.4f} {med(tc):>11.2f} {med(hc):>11.2f} "
+        f"{med(pair_cpu):>10.4f}"
+    )
     print(f"\ntrainer / hand, ratio of median wall ms/step: {med(t) / med(h):.4f}  (target <= 1.01)")
     print(f"trainer / hand, ratio of median CPU ms/step:  {med(tc) / med(hc):.4f}")
     if args.profile:

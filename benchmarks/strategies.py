@@ -20,18 +20,19 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jaxlight as jl  # noqa: E402
-from jaxlight.state import split_models  # noqa: E402
-from jaxlight.step import StepBuilder, TrainState  # noqa: E402
-from jaxlight.strategies.placement import batch_spec  # noqa: E402
-from jaxlight.summary import fmt_bytes  # noqa: E402
-from tests.strategy_models import LM  # noqa: E402
+import jaxlight as jl
+from jaxlight.state import split_models
+from jaxlight.step import StepBuilder, TrainState
+from jaxlight.strategies.placement import batch_spec
+from jaxlight.summary import fmt_bytes
+from tests.strategy_models import LM
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"\n\s*%?\S+ = .+? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -47,8 +48,9 @@ def shard_bytes(tree, shardings) -> int:
 
 def compile_step(strategy, dims: dict, batch: int, seq: int):
     """The trainer's placement of the LM's state and its train step, compiled on abstract inputs."""
-    trainer = jl.Trainer(strategy=strategy, devices=8, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False)
+    trainer = jl.Trainer(
+        strategy=strategy, devices=8, enable_progress_bar=False, logger=False, enable_checkpointing=False
+    )
     module = LM(**dims)
     module.trainer = trainer
     trainer.lightning_module = module
@@ -70,15 +72,24 @@ def compile_step(strategy, dims: dict, batch: int, seq: int):
     rep = NamedSharding(trainer.mesh, P())
     builder = StepBuilder(module, parts, trainer.precision_plugin, tx)
     state_sh = TrainState(psh, rsh, osh, {}, rep)
-    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    state = TrainState(jax.tree.map(sds, aparams, psh), jax.tree.map(sds, arest, rsh),
-                       jax.tree.map(sds, opt_shapes, osh), {}, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
-    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32,
-                                  sharding=NamedSharding(trainer.mesh, batch_spec(trainer.mesh, 2)))
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    state = TrainState(
+        jax.tree.map(sds, aparams, psh),
+        jax.tree.map(sds, arest, rsh),
+        jax.tree.map(sds, opt_shapes, osh),
+        {},
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (batch, seq + 1), jnp.int32, sharding=NamedSharding(trainer.mesh, batch_spec(trainer.mesh, 2))
+    )
     t0 = time.perf_counter()
     with trainer._mesh_ctx():
-        compiled = jax.jit(builder.train_step, donate_argnums=0, out_shardings=(state_sh, None, None)).lower(
-            state, {"tokens": tokens}, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        compiled = (
+            jax.jit(builder.train_step, donate_argnums=0, out_shardings=(state_sh, None, None))
+            .lower(state, {"tokens": tokens}, jax.ShapeDtypeStruct((), jnp.int32))
+            .compile()
+        )
     secs = time.perf_counter() - t0
     return trainer, compiled, shard_bytes(aparams, psh), shard_bytes(opt_shapes, osh), secs, aparams
 
@@ -110,22 +121,50 @@ def main() -> None:
         rows.append((name, mesh, pbytes, obytes, mem.argument_size_in_bytes, mem.temp_size_in_bytes, ops, secs))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(aparams))
     total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(aparams))
-    print(f"model: {n_params / 1e6:.1f} M params ({fmt_bytes(total)} float32; Adam state 2x), dims {dims}, "
-          f"global batch {args.batch} x {args.seq} tokens, 8 CPU devices, jax {jax.__version__}")
-    hdr = ("strategy", "mesh", "params/dev", "opt/dev", "args/dev", "temp/dev", "vs ddp (p+o)",
-           "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll-permute", "compile s")
+    print(
+        f"model: {n_params / 1e6:.1f} M params ({fmt_bytes(total)} float32; Adam state 2x), dims {dims}, "
+        f"global batch {args.batch} x {args.seq} tokens, 8 CPU devices, jax {jax.__version__}"
+    )
+    hdr = (
+        "strategy",
+        "mesh",
+        "params/dev",
+        "opt/dev",
+        "args/dev",
+        "temp/dev",
+        "vs ddp (p+o)",
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+        "coll-permute",
+        "compile s",
+    )
     table = [hdr]
     base = rows[0][2] + rows[0][3]
     for name, mesh, pb, ob, arg, tmp, ops, secs in rows:
-        table.append((name, mesh, fmt_bytes(pb), fmt_bytes(ob), fmt_bytes(arg), fmt_bytes(tmp),
-                      f"{(pb + ob) / base:.3f}", *(str(ops.get(c, 0)) for c in COLLECTIVES), f"{secs:.1f}"))
+        table.append(
+            (
+                name,
+                mesh,
+                fmt_bytes(pb),
+                fmt_bytes(ob),
+                fmt_bytes(arg),
+                fmt_bytes(tmp),
+                f"{(pb + ob) / base:.3f}",
+                *(str(ops.get(c, 0)) for c in COLLECTIVES),
+                f"{secs:.1f}",
+            )
+        )
     widths = [max(len(r[i]) for r in table) for i in range(len(hdr))]
     for i, r in enumerate(table):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print("collective counts are ops in the compiled HLO (a tuple all-reduce of many gradients counts once); "
-          "XLA:CPU emits FSDP's gradient reduce-scatter as all-reduce + dynamic-slice")
+    print(
+        "collective counts are ops in the compiled HLO (a tuple all-reduce of many gradients counts once); "
+        "XLA:CPU emits FSDP's gradient reduce-scatter as all-reduce + dynamic-slice"
+    )
 
 
 if __name__ == "__main__":

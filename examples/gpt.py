@@ -24,8 +24,9 @@ import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--strategy", default="auto", help="auto/ddp, fsdp, tp, or joined with '+' (fsdp+tp)")
     p.add_argument("--devices", default="auto", help="number of devices, or 'auto' (all local devices)")
     p.add_argument("--max-steps", type=int, default=600, help="optimizer steps to train")
@@ -39,8 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
-    p.add_argument("--batches-per-epoch", type=int, default=200,
-                   help="training batches per epoch; validation runs at the end of each epoch")
+    p.add_argument(
+        "--batches-per-epoch",
+        type=int,
+        default=200,
+        help="training batches per epoch; validation runs at the end of each epoch",
+    )
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--data-bytes", type=int, default=4_000_000, help="bytes of stdlib source to read")
     p.add_argument("--log-every-n-steps", type=int, default=25)
@@ -90,8 +95,9 @@ class WindowLoader:
     and each epoch sees new windows. With ``fixed=True`` every pass yields the
     same batches (validation)."""
 
-    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, num_batches: int, seed: int,
-                 fixed: bool = False) -> None:
+    def __init__(
+        self, data: np.ndarray, batch_size: int, seq_len: int, num_batches: int, seed: int, fixed: bool = False
+    ) -> None:
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
         self.num_batches, self.seed, self.fixed = num_batches, seed, fixed
         self.epoch = 0
@@ -111,8 +117,15 @@ class WindowLoader:
 class StdlibText(jl.LightningDataModule):
     """Python's standard library source as bytes: the first 90% trains, the rest validates."""
 
-    def __init__(self, batch_size: int = 32, seq_len: int = 64, batches_per_epoch: int = 200,
-                 val_batches: int = 8, data_bytes: int = 4_000_000, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        seq_len: int = 64,
+        batches_per_epoch: int = 200,
+        val_batches: int = 8,
+        data_bytes: int = 4_000_000,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.batch_size, self.seq_len = batch_size, seq_len
         self.batches_per_epoch, self.val_batches = batches_per_epoch, val_batches
@@ -130,23 +143,35 @@ class StdlibText(jl.LightningDataModule):
         return WindowLoader(self.train_data, self.batch_size, self.seq_len, self.batches_per_epoch, self.seed)
 
     def val_dataloader(self) -> WindowLoader:
-        return WindowLoader(self.val_data, self.batch_size, self.seq_len, self.val_batches, self.seed + 10_000,
-                            fixed=True)
+        return WindowLoader(
+            self.val_data, self.batch_size, self.seq_len, self.val_batches, self.seed + 10_000, fixed=True
+        )
 
 
 class GPT(jl.LightningModule):
     """Next-byte prediction with a causal transformer and AdamW (warmup + cosine)."""
 
-    def __init__(self, d_model: int = 128, layers: int = 4, heads: int = 4, seq_len: int = 64,
-                 dropout: float = 0.0, lr: float = 2e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
-                 max_steps: int = 600, seed: int = 0) -> None:
+    def __init__(
+        self,
+        d_model: int = 128,
+        layers: int = 4,
+        heads: int = 4,
+        seq_len: int = 64,
+        dropout: float = 0.0,
+        lr: float = 2e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 50,
+        max_steps: int = 600,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 
     def configure_model(self) -> None:
         hp = self.hparams
-        cfg = GPTConfig(d_model=hp.d_model, n_layers=hp.layers, n_heads=hp.heads, seq_len=hp.seq_len,
-                        dropout=hp.dropout)
+        cfg = GPTConfig(
+            d_model=hp.d_model, n_layers=hp.layers, n_heads=hp.heads, seq_len=hp.seq_len, dropout=hp.dropout
+        )
         self.net = CausalTransformer(cfg, nnx.Rngs(params=hp.seed, dropout=hp.seed + 1))
 
     def _loss(self, batch):
@@ -168,12 +193,18 @@ class GPT(jl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         schedule = optax.warmup_cosine_decay_schedule(
-            0.0, hp.lr, warmup_steps=min(hp.warmup_steps, max(hp.max_steps - 1, 1)),
-            decay_steps=max(hp.max_steps, 2), end_value=hp.lr * 0.1)
+            0.0,
+            hp.lr,
+            warmup_steps=min(hp.warmup_steps, max(hp.max_steps - 1, 1)),
+            decay_steps=max(hp.max_steps, 2),
+            end_value=hp.lr * 0.1,
+        )
         # weight decay on matrices only (ndim >= 2), not on biases and LayerNorm scales
-        mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-        tx = optax.chain(optax.clip_by_global_norm(1.0),
-                         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=hp.weight_decay, mask=mask))
+        mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+        tx = optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=hp.weight_decay, mask=mask),
+        )
         return {"optimizer": tx, "lr_scheduler": schedule}
 
 
@@ -207,16 +238,25 @@ def generate(net: CausalTransformer, prompt: bytes, n: int, temperature: float =
         window[0, : len(ctx)] = ctx
         key, sub = jax.random.split(key)
         out.append(int(next_byte(net, window, np.int32(len(ctx) - 1), sub)))
-    return bytes(out[len(prompt):])
+    return bytes(out[len(prompt) :])
 
 
 def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
     """Fit the GPT as ``args`` say; returns the trainer, the trained module and every step's loss."""
     jl.seed_everything(args.seed)
-    dm = StdlibText(args.batch_size, args.seq_len, args.batches_per_epoch, args.val_batches, args.data_bytes,
-                    args.seed)
-    model = GPT(args.d_model, args.layers, args.heads, args.seq_len, args.dropout, args.lr, args.weight_decay,
-                args.warmup_steps, args.max_steps, args.seed)
+    dm = StdlibText(args.batch_size, args.seq_len, args.batches_per_epoch, args.val_batches, args.data_bytes, args.seed)
+    model = GPT(
+        args.d_model,
+        args.layers,
+        args.heads,
+        args.seq_len,
+        args.dropout,
+        args.lr,
+        args.weight_decay,
+        args.warmup_steps,
+        args.max_steps,
+        args.seed,
+    )
     history = LossHistory()
     trainer = jl.Trainer(
         strategy=args.strategy,
@@ -228,8 +268,10 @@ def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
         log_every_n_steps=args.log_every_n_steps,
         default_root_dir=args.out,
     )
-    print(f"jax {jax.__version__} on {trainer.num_devices} {jax.devices()[0].platform} device(s), "
-          f"mesh {dict(trainer.mesh.shape)}, strategy {args.strategy!r}")
+    print(
+        f"jax {jax.__version__} on {trainer.num_devices} {jax.devices()[0].platform} device(s), "
+        f"mesh {dict(trainer.mesh.shape)}, strategy {args.strategy!r}"
+    )
     trainer.fit(model, datamodule=dm)
     return trainer, model, history.values()
 
@@ -249,9 +291,11 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         "seconds": time.perf_counter() - t0,
     }
     print(f"\ntrained {summary['steps']} steps in {summary['seconds']:.0f}s")
-    print(f"train loss: first {summary['first_loss']:.3f} -> last {summary['last_loss']:.3f} "
-          f"(mean of first {k}: {summary['first_10_mean']:.3f}, last {k}: {summary['last_10_mean']:.3f}; "
-          f"uniform guess = ln 256 = {np.log(256):.3f})")
+    print(
+        f"train loss: first {summary['first_loss']:.3f} -> last {summary['last_loss']:.3f} "
+        f"(mean of first {k}: {summary['first_10_mean']:.3f}, last {k}: {summary['last_10_mean']:.3f}; "
+        f"uniform guess = ln 256 = {np.log(256):.3f})"
+    )
     print(f"val loss: {summary['val_loss']:.3f} ({summary['val_loss'] / np.log(2):.2f} bits/byte)")
     print(f"metrics: {os.path.join(trainer.log_dir, 'metrics.csv')}")
 

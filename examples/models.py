@@ -127,7 +127,9 @@ class CausalTransformer(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.tok = nnx.Embed(
-            cfg.vocab, cfg.d_model, rngs=rngs,
+            cfg.vocab,
+            cfg.d_model,
+            rngs=rngs,
             embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
         )
         self.pos = _param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), 0.01)

@@ -80,9 +80,9 @@ def _ocp():
 
 def _new_checkpointer(async_: bool) -> Any:
     ocp = _ocp()
-    handler = ocp.CompositeCheckpointHandler(model=ocp.StandardCheckpointHandler(),
-                                             train=ocp.StandardCheckpointHandler(),
-                                             meta=ocp.JsonCheckpointHandler())
+    handler = ocp.CompositeCheckpointHandler(
+        model=ocp.StandardCheckpointHandler(), train=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
+    )
     return ocp.AsyncCheckpointer(handler) if async_ else ocp.Checkpointer(handler)
 
 
@@ -118,7 +118,7 @@ def _encode_keys(flat: Mapping[str, Any], prefix: str, impls: dict[str, str]) ->
     return out
 
 
-def _groups(trainer: "Trainer", weights_only: bool) -> tuple[dict[str, dict], dict[str, str]]:
+def _groups(trainer: Trainer, weights_only: bool) -> tuple[dict[str, dict], dict[str, str]]:
     """The arrays to save, grouped per orbax item, with typed keys turned into raw data."""
     state = trainer.train_state
     impls: dict[str, str] = {}
@@ -143,40 +143,49 @@ def _abstract(value: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
 
-def _targets(trainer: "Trainer", with_train: bool) -> dict[str, dict]:
+def _targets(trainer: Trainer, with_train: bool) -> dict[str, dict]:
     """Abstract arrays (shape, dtype, *current* sharding) for what the trainer holds now."""
     state, shs = trainer.train_state, trainer._state_shardings
     if state is None or shs is None:
         params, rest = trainer._read_module()
         psh, rsh = trainer._param_shardings, trainer._rest_shardings
-        out = {"model": {"params": {k: _abstract(v, psh[k]) for k, v in params.items()},
-                         "rest": {k: _abstract(v, rsh[k]) for k, v in rest.items()}}}
+        out = {
+            "model": {
+                "params": {k: _abstract(v, psh[k]) for k, v in params.items()},
+                "rest": {k: _abstract(v, rsh[k]) for k, v in rest.items()},
+            }
+        }
         return {g: {k: d for k, d in item.items() if d} for g, item in out.items()}
-    model = {"params": {k: _abstract(v, shs.params[k]) for k, v in state.params.items()},
-             "rest": {k: _abstract(v, shs.rest[k]) for k, v in state.rest.items()}}
+    model = {
+        "params": {k: _abstract(v, shs.params[k]) for k, v in state.params.items()},
+        "rest": {k: _abstract(v, shs.rest[k]) for k, v in state.rest.items()},
+    }
     out = {"model": model}
     if with_train:
         ov, osh = _flat(state.opt_state), _flat(shs.opt_state)
         ev, esh = _flat(state.extra), _flat(shs.extra)
-        out["train"] = {"opt_state": {k: _abstract(v, osh[k]) for k, v in ov.items()},
-                        "extra": {k: _abstract(v, esh[k]) for k, v in ev.items()},
-                        "step": {"step": _abstract(state.step, shs.step)}}
+        out["train"] = {
+            "opt_state": {k: _abstract(v, osh[k]) for k, v in ov.items()},
+            "extra": {k: _abstract(v, esh[k]) for k, v in ev.items()},
+            "step": {"step": _abstract(state.step, shs.step)},
+        }
     return {g: {k: d for k, d in item.items() if d} for g, item in out.items()}
 
 
 # ---------------------------------------------------------------------------- what a checkpoint holds
-def _epoch_position(trainer: "Trainer") -> tuple[int, int, bool]:
+def _epoch_position(trainer: Trainer) -> tuple[int, int, bool]:
     """(epoch to resume in, batches of it already consumed, whether it starts fresh)."""
     n = trainer.num_training_batches
     done = trainer._batches_in_epoch
     finished = (n != float("inf") and done >= n and done > 0) or (
-        n == float("inf") and trainer._current_hook == "on_train_epoch_end")
+        n == float("inf") and trainer._current_hook == "on_train_epoch_end"
+    )
     if finished:
         return trainer.current_epoch + 1, 0, True
     return trainer.current_epoch, done, done == 0
 
 
-def dump_checkpoint(trainer: "Trainer", weights_only: bool = False) -> dict[str, Any]:
+def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
     """The host-side checkpoint dict (Lightning's shape, without arrays), after the save hooks ran."""
     module = trainer.lightning_module
     epoch, in_epoch, fresh = _epoch_position(trainer)
@@ -186,12 +195,20 @@ def dump_checkpoint(trainer: "Trainer", weights_only: bool = False) -> dict[str,
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "jaxlight_version": _version(),
-        "loops": {"fit_loop": {"resume_epoch": epoch, "batches_in_epoch": in_epoch, "fresh_epoch": fresh,
-                               "micro_batches": trainer._micro_batches, "loader_state": loader_state,
-                               "loader_states_by_process": per_process,
-                               # epoch-level self.log accumulators of the epoch in progress
-                               "train_metrics": (trainer._stores["train"].state_dict()
-                                                 if in_epoch and "train" in trainer._stores else None)}},
+        "loops": {
+            "fit_loop": {
+                "resume_epoch": epoch,
+                "batches_in_epoch": in_epoch,
+                "fresh_epoch": fresh,
+                "micro_batches": trainer._micro_batches,
+                "loader_state": loader_state,
+                "loader_states_by_process": per_process,
+                # epoch-level self.log accumulators of the epoch in progress
+                "train_metrics": (
+                    trainer._stores["train"].state_dict() if in_epoch and "train" in trainer._stores else None
+                ),
+            }
+        },
         "hyper_parameters": dict(module.hparams) if module is not None else {},
         "hparams_name": "kwargs",
     }
@@ -214,7 +231,7 @@ def dump_checkpoint(trainer: "Trainer", weights_only: bool = False) -> dict[str,
     return ckpt
 
 
-def _loaders_are_per_process(trainer: "Trainer") -> bool:
+def _loaders_are_per_process(trainer: Trainer) -> bool:
     # With process-local batches each process's loader is at its own position; otherwise every
     # process reads the same loader and process 0's state stands for all.
     return jax.process_count() > 1 and bool(trainer.process_local_batches)
@@ -237,33 +254,50 @@ def _version() -> str:
         import jaxlight
 
         return jaxlight.__version__
-    except Exception:  # noqa: BLE001 - informational only
+    except Exception:
         return "unknown"
 
 
-def _meta(trainer: "Trainer", ckpt: dict[str, Any], impls: dict[str, str], weights_only: bool,
-          reason: str) -> dict[str, Any]:
+def _meta(
+    trainer: Trainer, ckpt: dict[str, Any], impls: dict[str, str], weights_only: bool, reason: str
+) -> dict[str, Any]:
     fl = ckpt["loops"]["fit_loop"]
     module = trainer.lightning_module
     try:
         host = base64.b64encode(pickle.dumps(ckpt, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
     except Exception as e:  # say which part cannot be saved
-        raise CheckpointError(f"the checkpoint dict cannot be pickled ({e}); keys added by on_save_checkpoint "
-                              f"hooks and callback/loader state_dicts must be picklable") from e
+        raise CheckpointError(
+            f"the checkpoint dict cannot be pickled ({e}); keys added by on_save_checkpoint "
+            f"hooks and callback/loader state_dicts must be picklable"
+        ) from e
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "jaxlight_version": ckpt["jaxlight_version"],
-        "time": time.time(), "reason": reason,
-        "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-        "resume_epoch": fl["resume_epoch"], "batches_in_epoch": fl["batches_in_epoch"],
-        "micro_batches": fl["micro_batches"], "weights_only": weights_only,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "jaxlight_version": ckpt["jaxlight_version"],
+        "time": time.time(),
+        "reason": reason,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "resume_epoch": fl["resume_epoch"],
+        "batches_in_epoch": fl["batches_in_epoch"],
+        "micro_batches": fl["micro_batches"],
+        "weights_only": weights_only,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}" if module is not None else None,
-        "strategy": str(trainer.strategy), "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
-        "key_impls": impls, "host": host,
+        "strategy": str(trainer.strategy),
+        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        "key_impls": impls,
+        "host": host,
     }
 
 
-def save_checkpoint(trainer: "Trainer", path: str | os.PathLike, *, weights_only: bool = False,
-                    checkpointer: Any = None, reason: str = "manual") -> Any:
+def save_checkpoint(
+    trainer: Trainer,
+    path: str | os.PathLike,
+    *,
+    weights_only: bool = False,
+    checkpointer: Any = None,
+    reason: str = "manual",
+) -> Any:
     """Write the run's state to the directory ``path`` (which must not exist yet).
 
     With an ``orbax.checkpoint.AsyncCheckpointer`` this returns once every array
@@ -289,8 +323,13 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike, *, weights_only
 def is_complete(path: str | os.PathLike) -> bool:
     """True for a committed checkpoint directory (orbax renamed it from its temporary name)."""
     p = Path(path)
-    return (p.is_dir() and _TMP_MARK not in p.name and (p / "_CHECKPOINT_METADATA").exists()
-            and (p / "meta").is_dir() and (p / "model").is_dir())
+    return (
+        p.is_dir()
+        and _TMP_MARK not in p.name
+        and (p / "_CHECKPOINT_METADATA").exists()
+        and (p / "meta").is_dir()
+        and (p / "model").is_dir()
+    )
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -304,8 +343,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             continue
         if isinstance(meta, dict) and meta.get("format") == FORMAT:
             return meta
-    raise CheckpointError(f"{path} holds no readable jaxlight meta item (looked in {p}); it is not a jaxlight "
-                          f"checkpoint or it is corrupt")
+    raise CheckpointError(
+        f"{path} holds no readable jaxlight meta item (looked in {p}); it is not a jaxlight checkpoint or it is corrupt"
+    )
 
 
 def host_checkpoint(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -325,7 +365,7 @@ def _incomplete(dirpath: str | os.PathLike) -> list[Path]:
     return sorted(p for p in d.iterdir() if _TMP_MARK in p.name) if d.is_dir() else []
 
 
-def _search_dirs(trainer: "Trainer") -> list[Path]:
+def _search_dirs(trainer: Trainer) -> list[Path]:
     dirs: list[Path] = []
     for cb in trainer.checkpoint_callbacks:
         dp = getattr(cb, "dirpath", None)
@@ -362,7 +402,7 @@ def find_last(dirs: list[Path]) -> Path | None:
     return best
 
 
-def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str | os.PathLike) -> Path:
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | os.PathLike) -> Path:
     """Turn ``"last"``, ``"best"`` or a path into a complete checkpoint directory, or raise saying why."""
     if ckpt_path == "last":
         dirs = _search_dirs(trainer)
@@ -372,7 +412,8 @@ def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str | os.PathLike) -> Path:
             extra = f"; incomplete (never committed) saves there: {partial}" if partial else ""
             raise FileNotFoundError(
                 f"ckpt_path='last': no complete checkpoint found in {[str(d) for d in dirs]}{extra}. "
-                f"Start without ckpt_path, or pass a checkpoint path")
+                f"Start without ckpt_path, or pass a checkpoint path"
+            )
         return found
     if ckpt_path == "best":
         for cb in trainer.checkpoint_callbacks:
@@ -388,7 +429,8 @@ def resolve_ckpt_path(trainer: "Trainer", ckpt_path: str | os.PathLike) -> Path:
         raise FileNotFoundError(
             "ckpt_path='best': no best checkpoint is known (no ModelCheckpoint has saved one in this run, and "
             f"no checkpoint in {[str(d) for d in _search_dirs(trainer)]} names one); pass monitor= to "
-            "ModelCheckpoint or a checkpoint path")
+            "ModelCheckpoint or a checkpoint path"
+        )
     return _check_path(ckpt_path)
 
 
@@ -401,8 +443,10 @@ def _check_path(path: str | os.PathLike) -> Path:
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} is a file; jaxlight checkpoints are orbax directories")
     if _TMP_MARK in p.name:
-        raise CheckpointError(f"checkpoint {p} is an unfinished save (orbax temporary directory); it was never "
-                              f"committed and cannot be loaded")
+        raise CheckpointError(
+            f"checkpoint {p} is an unfinished save (orbax temporary directory); it was never "
+            f"committed and cannot be loaded"
+        )
     missing = [n for n in ("_CHECKPOINT_METADATA", "meta", "model") if not (p / n).exists()]
     if missing:
         raise CheckpointError(f"checkpoint {p} is incomplete or corrupt: missing {missing}")
@@ -423,8 +467,13 @@ def _listing(items: list[str]) -> str:
     return ", ".join(items[:_LIST_LIMIT]) + more
 
 
-def _check_match(path: Path, saved: dict[str, dict[str, tuple]], target: dict[str, dict[str, Any]],
-                 impls: Mapping[str, str], item: str) -> None:
+def _check_match(
+    path: Path,
+    saved: dict[str, dict[str, tuple]],
+    target: dict[str, dict[str, Any]],
+    impls: Mapping[str, str],
+    item: str,
+) -> None:
     missing, unexpected, shapes = [], [], []
     for group in sorted(set(saved) | set(target)):
         s, t = saved.get(group, {}), target.get(group, {})
@@ -443,8 +492,10 @@ def _check_match(path: Path, saved: dict[str, dict[str, tuple]], target: dict[st
         if shapes:
             lines.append(f"  shapes differ ({len(shapes)}): {_listing(shapes)}")
         if item == "train":
-            lines.append("  (was the optimizer, accumulate_grad_batches, gradient clipping or an EMA callback "
-                         "changed since the checkpoint was written?)")
+            lines.append(
+                "  (was the optimizer, accumulate_grad_batches, gradient clipping or an EMA callback "
+                "changed since the checkpoint was written?)"
+            )
         raise CheckpointError("\n".join(lines))
 
 
@@ -453,24 +504,26 @@ def _restore_arrays(path: Path, targets: dict[str, dict], impls: Mapping[str, st
     ck = _new_checkpointer(async_=False)
     try:
         md = ck.metadata(path).item_metadata
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {type(e).__name__}: {e}") from e
     for item, target in targets.items():
-        saved_item = md[item] if item in md.keys() else None
+        saved_item = md.get(item, None)
         if saved_item is None:
             if item == "train":
                 raise CheckpointError(
                     f"checkpoint {path} holds only the model weights (ModelCheckpoint(save_weights_only=True)); "
                     f"it cannot resume training (optimizer and loop state are missing). Load the weights with "
-                    f"{{Module}}.load_from_checkpoint for inference, or resume from a full checkpoint")
+                    f"{{Module}}.load_from_checkpoint for inference, or resume from a full checkpoint"
+                )
             raise CheckpointError(f"checkpoint {path} has no '{item}' item; it is corrupt or not a jaxlight checkpoint")
         _check_match(path, _shape_tree(saved_item), target, impls, item)
     args = {item: ocp.args.StandardRestore(target) for item, target in targets.items()}
     try:
         out = ck.restore(path, args=ocp.args.Composite(**args))
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} could not be read (corrupt or partial files?): "
-                              f"{type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path} could not be read (corrupt or partial files?): {type(e).__name__}: {e}"
+        ) from e
     restored: dict[str, dict] = {}
     for item in targets:
         restored[item] = {}
@@ -491,7 +544,7 @@ def _unflatten_like(template: Any, flat: Mapping[str, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [flat[_path_key(p)] for p, _ in paths])
 
 
-def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage: str) -> None:
+def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: str) -> None:
     """Load a checkpoint into a set-up trainer: arrays into its current shardings, then loop and host state.
 
     For ``stage="fit"`` everything a resume needs is restored (optimizer, step,
@@ -504,7 +557,8 @@ def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage
     if fit and meta.get("weights_only"):
         raise CheckpointError(
             f"checkpoint {path} holds only the model weights (ModelCheckpoint(save_weights_only=True)); it cannot "
-            f"resume fit (optimizer and loop state are missing)")
+            f"resume fit (optimizer and loop state are missing)"
+        )
     impls = meta.get("key_impls", {})
     targets = _targets(trainer, with_train=fit)
     arrays = _restore_arrays(path, targets, impls)
@@ -544,7 +598,8 @@ def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage
                 raise CheckpointError(
                     f"{path} holds the data position of {saved}, but this run has {jax.process_count()} "
                     f"processes with process_local_batches={trainer.process_local_batches}; an exact resume "
-                    f"needs the same process count and loader layout")
+                    f"needs the same process count and loader layout"
+                )
             state = by_process[jax.process_index()]
         if fl.get("fresh_epoch"):
             gen = state.get(_GENERATOR_KEY) if isinstance(state, Mapping) else None
@@ -574,12 +629,15 @@ def restore_into_trainer(trainer: "Trainer", ckpt_path: str | os.PathLike, stage
         module.on_load_checkpoint(ckpt)
     trainer._restored_ckpt_path = str(path)
     if trainer.is_global_zero:
-        print(f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
-              f"epoch {meta.get('epoch')})")
+        print(
+            f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
+            f"epoch {meta.get('epoch')})"
+        )
 
 
-def load_module_from_checkpoint(cls: type["LightningModule"], checkpoint_path: str | os.PathLike,
-                                **kwargs: Any) -> "LightningModule":
+def load_module_from_checkpoint(
+    cls: type[LightningModule], checkpoint_path: str | os.PathLike, **kwargs: Any
+) -> LightningModule:
     """Rebuild a module from a checkpoint's hparams (``kwargs`` override them) and load its weights.
 
     No trainer is needed: ``configure_model`` runs when ``__init__`` created no
@@ -607,15 +665,22 @@ def load_module_from_checkpoint(cls: type["LightningModule"], checkpoint_path: s
             module.configure_model()
     models = nnx_attributes(module)
     if not models:
-        raise CheckpointError(f"{cls.__name__} created no flax.nnx.Module attribute in __init__ or configure_model; "
-                              f"there is nothing to load the checkpoint into")
+        raise CheckpointError(
+            f"{cls.__name__} created no flax.nnx.Module attribute in __init__ or configure_model; "
+            f"there is nothing to load the checkpoint into"
+        )
     parts, params, rest = split_models(models)
 
     def sharding(x: Any) -> Any:
         return getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-    targets = {"model": {g: {k: _abstract(v, sharding(v)) for k, v in d.items()}
-                         for g, d in (("params", params), ("rest", rest)) if d}}
+    targets = {
+        "model": {
+            g: {k: _abstract(v, sharding(v)) for k, v in d.items()}
+            for g, d in (("params", params), ("rest", rest))
+            if d
+        }
+    }
     arrays = _restore_arrays(path, targets, meta.get("key_impls", {}))["model"]
     new = merge_models(parts, arrays.get("params", {}), arrays.get("rest", {}), train=True)
     for k, m in new.items():

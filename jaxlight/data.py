@@ -68,7 +68,9 @@ def batch_rows(batch: Any, index: int | None = None) -> int:
                 f"batches must hold numpy arrays, jax arrays or torch tensors"
             )
         if leaf.ndim == 0:
-            raise BatchError(f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a leading batch dim")
+            raise BatchError(
+                f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a leading batch dim"
+            )
         rows.setdefault(int(leaf.shape[0]), jax.tree_util.keystr(path))
     if not rows:
         raise BatchError("batch holds no arrays")
@@ -120,7 +122,8 @@ def data_partition(mesh: Mesh, process_index: int | None = None) -> DataPartitio
     if len(flat) != len(set(flat)):
         raise ValueError(
             f"processes hold overlapping but different row shards on mesh {dict(mesh.shape)} "
-            f"({ {p: sorted(v) for p, v in sorted(held.items())} }); no process could read a whole share")
+            f"({ {p: sorted(v) for p, v in sorted(held.items())} }); no process could read a whole share"
+        )
     if any(g != tuple(range(g[0], g[0] + len(g))) for g in groups) or len({len(g) for g in groups}) != 1:
         raise ValueError(f"processes hold non-contiguous or unequal row shards on mesh {dict(mesh.shape)}: {groups}")
     mine = tuple(sorted(held[pid]))
@@ -186,10 +189,10 @@ _FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
 
 
 class Prefetched(NamedTuple):
-    index: int               # batch_idx within the epoch
-    batch: Any               # device arrays
-    rows: int                # global rows
-    loader_state: Any        # loader.state_dict() right after this batch, if it has one
+    index: int  # batch_idx within the epoch
+    batch: Any  # device arrays
+    rows: int  # global rows
+    loader_state: Any  # loader.state_dict() right after this batch, if it has one
 
 
 class Prefetcher:
@@ -234,7 +237,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            has_state = hasattr(self.loader, "state_dict") and callable(getattr(self.loader, "state_dict"))
+            has_state = hasattr(self.loader, "state_dict") and callable(self.loader.state_dict)
             it = self._open()
             i = self.start
             while not self._stop.is_set():

@@ -34,8 +34,9 @@ def _int_env(*names: str) -> int | None:
     return None
 
 
-def detect(coordinator_address: str | None = None, num_processes: int | None = None,
-           process_id: int | None = None) -> ClusterSpec | None:
+def detect(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> ClusterSpec | None:
     """Work out the distributed setup from the arguments and the environment.
 
     Precedence: explicit arguments; ``JAX_COORDINATOR_ADDRESS`` with
@@ -48,12 +49,17 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
     if coordinator_address is not None or num_processes is not None or process_id is not None:
         return ClusterSpec(coordinator_address, num_processes, process_id, "arguments")
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return ClusterSpec(os.environ["JAX_COORDINATOR_ADDRESS"], _int_env("JAX_NUM_PROCESSES"),
-                           _int_env("JAX_PROCESS_ID"), "JAX_* env")
+        return ClusterSpec(
+            os.environ["JAX_COORDINATOR_ADDRESS"],
+            _int_env("JAX_NUM_PROCESSES"),
+            _int_env("JAX_PROCESS_ID"),
+            "JAX_* env",
+        )
     if os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE"):
         port = os.environ.get("MASTER_PORT", "29500")
-        return ClusterSpec(f"{os.environ['MASTER_ADDR']}:{port}", _int_env("WORLD_SIZE"),
-                           _int_env("RANK", "NODE_RANK"), "torchrun env")
+        return ClusterSpec(
+            f"{os.environ['MASTER_ADDR']}:{port}", _int_env("WORLD_SIZE"), _int_env("RANK", "NODE_RANK"), "torchrun env"
+        )
     if _cluster_env_present():
         return ClusterSpec(None, None, None, "jax auto-detect (SLURM, Open MPI, TPU, k8s)")
     return None
@@ -71,7 +77,7 @@ def _cluster_env_present() -> bool:
                 if env.__name__ == "SlurmCluster" and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
                     continue
                 return True
-        except Exception:  # noqa: BLE001 - a detector that cannot tell means "not this one"
+        except Exception:
             continue
     return False
 
@@ -81,7 +87,7 @@ def _backends_started() -> bool:
         from jax._src import xla_bridge
 
         return bool(xla_bridge.backends_are_initialized())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -91,7 +97,7 @@ def is_initialized() -> bool:
         from jax._src import distributed as _d
 
         return _d.global_state.client is not None
-    except Exception:  # noqa: BLE001
+    except Exception:
         return jax.process_count() > 1
 
 
@@ -123,14 +129,22 @@ def initialize(
         raise RuntimeError(
             "jaxlight.distributed.initialize() must run before any JAX computation, but JAX's backends are "
             "already initialized in this process (an array, a model or a Trainer was created first). Call it "
-            "at the top of the script.")
+            "at the top of the script."
+        )
     if spec.source != "jax auto-detect (SLURM, Open MPI, TPU, k8s)":
-        missing = [n for n, v in (("coordinator_address", spec.coordinator_address),
-                                  ("num_processes", spec.num_processes), ("process_id", spec.process_id))
-                   if v is None]
+        missing = [
+            n
+            for n, v in (
+                ("coordinator_address", spec.coordinator_address),
+                ("num_processes", spec.num_processes),
+                ("process_id", spec.process_id),
+            )
+            if v is None
+        ]
         if missing:
-            raise ValueError(f"distributed setup from {spec.source} is missing {', '.join(missing)} "
-                             f"(got {spec._asdict()})")
+            raise ValueError(
+                f"distributed setup from {spec.source} is missing {', '.join(missing)} (got {spec._asdict()})"
+            )
         if not 0 <= spec.process_id < spec.num_processes:  # type: ignore[operator]
             raise ValueError(f"process_id={spec.process_id} is outside [0, num_processes={spec.num_processes})")
     jax.distributed.initialize(

@@ -61,8 +61,9 @@ class Collector:
         arr = jnp.asarray(value)
         if arr.size != 1:
             raise ValueError(f"self.log({name!r}) needs a scalar, got shape {tuple(arr.shape)}")
-        if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
-                or arr.dtype == jnp.bool_):
+        if not (
+            jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer) or arr.dtype == jnp.bool_
+        ):
             raise ValueError(f"self.log({name!r}) needs a numeric scalar, got dtype {arr.dtype}")
         on_step = self.default_on_step if on_step is None else bool(on_step)
         on_epoch = self.default_on_epoch if on_epoch is None else bool(on_epoch)
@@ -158,8 +159,10 @@ class MetricStore:
     def state_dict(self) -> dict[str, Any]:
         """The epoch accumulators as host floats (one transfer), so a mid-epoch resume continues them."""
         acc = jax.device_get(self._acc)
-        return {"specs": {k: s._asdict() for k, s in self.specs.items()},
-                "acc": {k: [float(np.asarray(a)), float(np.asarray(w))] for k, (a, w) in acc.items()}}
+        return {
+            "specs": {k: s._asdict() for k, s in self.specs.items()},
+            "acc": {k: [float(np.asarray(a)), float(np.asarray(w))] for k, (a, w) in acc.items()},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.register({k: LogSpec(**s) for k, s in state.get("specs", {}).items()})

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -92,8 +92,9 @@ class LightningModule(ModelHooks, DataHooks):
         self._collector: Collector | None = None
 
     # -- hyperparameters -------------------------------------------------
-    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None, frame: Any = None,
-                             logger: bool = True) -> None:
+    def save_hyperparameters(
+        self, *args: Any, ignore: Sequence[str] | str | None = None, frame: Any = None, logger: bool = True
+    ) -> None:
         """Store ``__init__`` arguments in ``self.hparams`` (and the checkpoint).
 
         With no arguments every init argument is saved; names select some; a
@@ -121,13 +122,13 @@ class LightningModule(ModelHooks, DataHooks):
 
     # -- trainer access ------------------------------------------------------
     @property
-    def trainer(self) -> "Trainer":
+    def trainer(self) -> Trainer:
         if self._trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
 
     @trainer.setter
-    def trainer(self, trainer: "Trainer | None") -> None:
+    def trainer(self, trainer: Trainer | None) -> None:
         self._trainer = trainer
 
     @property
@@ -211,19 +212,44 @@ class LightningModule(ModelHooks, DataHooks):
             if self._trainer is None:
                 raise RuntimeError("self.log was called outside a Trainer run")
             col = self._trainer._host_collector()
-        col.add(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-                reduce_fx=reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", str(reduce_fx)),
-                batch_size=batch_size)
+        col.add(
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=logger,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", str(reduce_fx)),
+            batch_size=batch_size,
+        )
 
-    def log_dict(self, dictionary: Mapping[str, Any], prog_bar: bool = False, logger: bool = True,
-                 on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: str = "mean",
-                 enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
-                 add_dataloader_idx: bool = True, batch_size: int | None = None,
-                 rank_zero_only: bool = False) -> None:
+    def log_dict(
+        self,
+        dictionary: Mapping[str, Any],
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
         """``self.log`` for each item of ``dictionary``."""
         for k, v in dictionary.items():
-            self.log(k, v, prog_bar=prog_bar, logger=logger, on_step=on_step, on_epoch=on_epoch,
-                     reduce_fx=reduce_fx, batch_size=batch_size)
+            self.log(
+                k,
+                v,
+                prog_bar=prog_bar,
+                logger=logger,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                reduce_fx=reduce_fx,
+                batch_size=batch_size,
+            )
 
     # -- tracing support (used by jaxlight.step) ---------------------------------
     @contextlib.contextmanager
@@ -243,7 +269,7 @@ class LightningModule(ModelHooks, DataHooks):
 
     # -- checkpoints (wired by the checkpoint callback) ---------------------------
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str, **kwargs: Any) -> "LightningModule":
+    def load_from_checkpoint(cls, checkpoint_path: str, **kwargs: Any) -> LightningModule:
         from jaxlight.checkpoint import load_module_from_checkpoint
 
         return load_module_from_checkpoint(cls, checkpoint_path, **kwargs)

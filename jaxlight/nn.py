@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlight.strategies.rules import Rules, resolve_spec
 

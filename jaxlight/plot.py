@@ -50,8 +50,9 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "metric"
 
 
-def plot_metrics(path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 metrics: Iterable[str] | None = None) -> list[Path]:
+def plot_metrics(
+    path: str | os.PathLike, out_dir: str | os.PathLike | None = None, metrics: Iterable[str] | None = None
+) -> list[Path]:
     """Write one PNG per metric (value against step) for a metrics.csv or every one under a log directory.
 
     Plots go to ``out_dir`` or ``<csv dir>/plots/``; returns their paths. The

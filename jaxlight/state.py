@@ -82,9 +82,9 @@ def logical_axes(var: nnx.Variable) -> tuple | None:
 class ModelParts(NamedTuple):
     """What the trainer needs to rebuild a module's NNX attributes in a trace."""
 
-    names: tuple[str, ...]        # attribute names on the LightningModule
-    train_graphdef: Any           # graph with modules in train mode
-    eval_graphdef: Any            # same graph in eval mode (dropout off, running stats)
+    names: tuple[str, ...]  # attribute names on the LightningModule
+    train_graphdef: Any  # graph with modules in train mode
+    eval_graphdef: Any  # same graph in eval mode (dropout off, running stats)
     params: StateCodec
     rest: StateCodec
 

@@ -62,9 +62,7 @@ def split_training_output(out: Any) -> tuple[jax.Array, dict[str, Any]]:
     if not hasattr(loss, "shape") or not hasattr(loss, "dtype"):
         raise StepError(f"training_step loss must be a jax scalar, got {type(loss).__name__}")
     if loss.shape != ():
-        raise StepError(
-            f"training_step loss must be a scalar, got shape {tuple(loss.shape)} (reduce it, e.g. .mean())"
-        )
+        raise StepError(f"training_step loss must be a scalar, got shape {tuple(loss.shape)} (reduce it, e.g. .mean())")
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise StepError(f"training_step loss must be floating point, got dtype {loss.dtype}")
     for k, v in jax.tree_util.tree_flatten_with_path(extras)[0]:

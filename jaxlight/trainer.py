@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlight import nn as jl_nn
 from jaxlight.callbacks.callback import Callback
@@ -143,22 +144,23 @@ class Trainer:
         if accelerator not in ("auto", "cpu", "gpu", "cuda", "tpu"):
             raise MisconfigurationError(f"accelerator={accelerator!r}; choose 'auto', 'cpu', 'gpu' or 'tpu'")
         if accelerator not in ("auto",) and jax.default_backend() != {"cuda": "gpu"}.get(accelerator, accelerator):
-            raise MisconfigurationError(
-                f"accelerator={accelerator!r} but JAX's backend is {jax.default_backend()!r}")
+            raise MisconfigurationError(f"accelerator={accelerator!r} but JAX's backend is {jax.default_backend()!r}")
         self.precision_plugin = resolve_precision(precision)
         self.precision = self.precision_plugin.name
         self.strategy = resolve_strategy(strategy)
         self._devices = _resolve_devices(devices)
         if num_nodes != 1 and num_nodes != jax.process_count():
             raise MisconfigurationError(
-                f"num_nodes={num_nodes} but jax.distributed reports {jax.process_count()} processes")
+                f"num_nodes={num_nodes} but jax.distributed reports {jax.process_count()} processes"
+            )
         self.mesh = self.strategy.build_mesh(self._devices)
 
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise MisconfigurationError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
         if gradient_clip_algorithm not in (None, "norm", "value"):
             raise MisconfigurationError(
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'"
+            )
         if gradient_clip_val is not None and gradient_clip_val < 0:
             raise MisconfigurationError(f"gradient_clip_val must be >= 0, got {gradient_clip_val}")
         if ragged_batches not in ("error", "drop"):
@@ -179,7 +181,8 @@ class Trainer:
             flags = os.environ.get("XLA_FLAGS", "")
             if "xla_gpu_deterministic_ops" not in flags:
                 raise MisconfigurationError(
-                    "deterministic=True on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true set before JAX starts")
+                    "deterministic=True on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true set before JAX starts"
+                )
 
         # fast_dev_run: n batches of each stage, no sanity check, no loggers or checkpoints.
         if fast_dev_run is True:
@@ -364,7 +367,7 @@ class Trainer:
         self._current_hook = hook
         result = None
         try:
-            for cb in (self.callbacks if callbacks is None else callbacks):
+            for cb in self.callbacks if callbacks is None else callbacks:
                 getattr(cb, hook)(self, self.lightning_module, *args)
                 self._flush_host_logs()
             if module_too and self.lightning_module is not None and hasattr(self.lightning_module, hook):
@@ -387,8 +390,11 @@ class Trainer:
     def _call_train_epoch_end(self) -> None:
         # Lightning: other callbacks, then the module, then monitoring callbacks
         # (checkpointing, early stopping) so they see what the module logged.
-        monitoring = [c for c in self.callbacks if getattr(c, "_is_monitoring_callback", False)
-                      or getattr(c, "_is_checkpoint_callback", False)]
+        monitoring = [
+            c
+            for c in self.callbacks
+            if getattr(c, "_is_monitoring_callback", False) or getattr(c, "_is_checkpoint_callback", False)
+        ]
         others = [c for c in self.callbacks if c not in monitoring]
         self._call("on_train_epoch_end", callbacks=others)
         self._call("on_train_epoch_end", module_too=False, callbacks=monitoring)
@@ -485,7 +491,8 @@ class Trainer:
             raise MisconfigurationError(f"model must be a jaxlight.LightningModule, got {type(model).__name__}")
         if datamodule is not None and not isinstance(datamodule, LightningDataModule):
             raise MisconfigurationError(
-                f"datamodule must be a jaxlight.LightningDataModule, got {type(datamodule).__name__}")
+                f"datamodule must be a jaxlight.LightningDataModule, got {type(datamodule).__name__}"
+            )
         if self.lightning_module is not None and self.lightning_module is not model:
             self._parts = None  # a new model: set it up afresh
             self.train_state = None
@@ -510,6 +517,7 @@ class Trainer:
         with self._mesh_ctx():
             existing = nnx_attributes(module)
             if not existing:
+
                 def build() -> dict[str, nnx.Module]:
                     module.configure_model()
                     models = nnx_attributes(module)
@@ -524,7 +532,8 @@ class Trainer:
                 if not abstract:
                     raise MisconfigurationError(
                         f"{type(module).__name__} holds no flax.nnx.Module attribute: create the model in "
-                        f"__init__ or configure_model (e.g. self.net = MLP(nnx.Rngs(0)))")
+                        f"__init__ or configure_model (e.g. self.net = MLP(nnx.Rngs(0)))"
+                    )
                 parts, aparams, arest = split_models(abstract)
                 psh, rsh = self._var_shardings(parts, aparams, arest)
 
@@ -550,8 +559,10 @@ class Trainer:
     def _var_shardings(self, parts: ModelParts, params: Mapping, rest: Mapping) -> tuple[dict, dict]:
         pspecs = param_specs(params, parts.params.variables, self.strategy, self.mesh)
         rspecs = rest_specs(rest, parts.rest.variables, self.strategy, self.mesh)
-        return ({k: named(self.mesh, s) for k, s in pspecs.items()},
-                {k: named(self.mesh, s) for k, s in rspecs.items()})
+        return (
+            {k: named(self.mesh, s) for k, s in pspecs.items()},
+            {k: named(self.mesh, s) for k, s in rspecs.items()},
+        )
 
     def _write_back(self, params: Mapping, rest: Mapping) -> None:
         """Point the module's NNX attributes at concrete (sharded) arrays.
@@ -584,7 +595,8 @@ class Trainer:
         if isinstance(out, Mapping):
             if "optimizer" not in out:
                 raise MisconfigurationError(
-                    f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(out)})")
+                    f"configure_optimizers returned a dict without 'optimizer' (keys: {sorted(out)})"
+                )
             tx = out["optimizer"]
             sched = out.get("lr_scheduler")
             if isinstance(sched, Mapping):
@@ -592,18 +604,23 @@ class Trainer:
             if sched is not None:
                 if not callable(sched):
                     raise MisconfigurationError(
-                        f"lr_scheduler must be an optax schedule (step -> lr), got {type(sched).__name__}")
+                        f"lr_scheduler must be an optax schedule (step -> lr), got {type(sched).__name__}"
+                    )
                 schedules.append(sched)
         else:
             tx = out
         if not isinstance(tx, optax.GradientTransformation):
             raise MisconfigurationError(
                 f"configure_optimizers must return an optax.GradientTransformation or "
-                f"{{'optimizer': tx, 'lr_scheduler': schedule}}, got {type(tx).__name__}")
+                f"{{'optimizer': tx, 'lr_scheduler': schedule}}, got {type(tx).__name__}"
+            )
         self._lr_schedulers = schedules
         if self.gradient_clip_val:
-            clip = (optax.clip_by_global_norm(self.gradient_clip_val) if self.gradient_clip_algorithm == "norm"
-                    else optax.clip(self.gradient_clip_val))
+            clip = (
+                optax.clip_by_global_norm(self.gradient_clip_val)
+                if self.gradient_clip_algorithm == "norm"
+                else optax.clip(self.gradient_clip_val)
+            )
             tx = optax.chain(clip, tx)
         if self.accumulate_grad_batches > 1:
             tx = optax.MultiSteps(tx, every_k_schedule=self.accumulate_grad_batches)
@@ -645,18 +662,24 @@ class Trainer:
                             f"{type(cb).__name__}.init_step_state returned leaf "
                             f"{jax.tree_util.keystr(path) or '<root>'} that is not a jax.Array placed on "
                             f"trainer.mesh (got {type(leaf).__name__} with sharding {sh}); place it with "
-                            f"jax.device_put(x, NamedSharding(trainer.mesh, spec))")
+                            f"jax.device_put(x, NamedSharding(trainer.mesh, spec))"
+                        )
         needs_gnorm = any(getattr(cb, "needs_grad_norm", False) for cb in self.callbacks)
         skip = any(getattr(cb, "skip_nonfinite_updates", False) for cb in self.callbacks)
-        self._builder = StepBuilder(module, self._parts, self.precision_plugin, tx, tuple(exts),
-                                    with_grad_norm=needs_gnorm, skip_nonfinite=skip)
+        self._builder = StepBuilder(
+            module, self._parts, self.precision_plugin, tx, tuple(exts), with_grad_norm=needs_gnorm, skip_nonfinite=skip
+        )
         with self._mesh_ctx():
             opt_shapes = jax.eval_shape(tx.init, params)
             osh = self._opt_shardings(opt_shapes, params)
             opt_state = jax.jit(tx.init, out_shardings=osh)(params)
         self._state_shardings = TrainState(
-            self._param_shardings, self._rest_shardings, osh,
-            jax.tree.map(lambda x: x.sharding, extra), NamedSharding(self.mesh, P()))
+            self._param_shardings,
+            self._rest_shardings,
+            osh,
+            jax.tree.map(lambda x: x.sharding, extra),
+            NamedSharding(self.mesh, P()),
+        )
         step = jax.device_put(jnp.int32(self.global_step), NamedSharding(self.mesh, P()))
         self.train_state = TrainState(params, rest, opt_state, extra, step)
         self.compiled.pop("train", None)
@@ -669,9 +692,9 @@ class Trainer:
             _assert_same_batch_across_processes(stage, args[-2])
         with self._mesh_ctx():
             if stage == "train":
-                fn = jax.jit(b.train_step, donate_argnums=0,
-                             out_shardings=(self._state_shardings, None, None))
+                fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self._state_shardings, None, None))
             else:
+
                 def eval_step(params, rest, batch, batch_idx, _stage=stage):
                     return b.eval_step(_stage, params, rest, batch, batch_idx)
 
@@ -689,23 +712,32 @@ class Trainer:
         if given is not None:
             return given
         dm = self.datamodule
-        name = {"train": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
-                "predict": "predict_dataloader"}[stage]
+        name = {
+            "train": "train_dataloader",
+            "validate": "val_dataloader",
+            "test": "test_dataloader",
+            "predict": "predict_dataloader",
+        }[stage]
         if dm is not None:
             return getattr(dm, name)()
         fn = getattr(self.lightning_module, name, None)
         return fn() if callable(fn) else None
 
     def _limit(self, stage: str, loader: Any) -> int | float:
-        limit = {"train": self.limit_train_batches, "validate": self.limit_val_batches,
-                 "test": self.limit_test_batches, "predict": self.limit_predict_batches}[stage]
+        limit = {
+            "train": self.limit_train_batches,
+            "validate": self.limit_val_batches,
+            "test": self.limit_test_batches,
+            "predict": self.limit_predict_batches,
+        }[stage]
         n = num_batches(loader)
         if limit is None or (isinstance(limit, float) and limit == 1.0):  # int 1 means one batch
             return n if n is not None else math.inf
         if isinstance(limit, float):
             if n is None:
                 raise MisconfigurationError(
-                    f"limit_{stage}_batches={limit} is a fraction but the {stage} loader has no length; pass an int")
+                    f"limit_{stage}_batches={limit} is a fraction but the {stage} loader has no length; pass an int"
+                )
             return int(n * limit)
         return min(limit, n) if n is not None else limit
 
@@ -714,9 +746,17 @@ class Trainer:
         resume = None
         if stage == "train":
             resume, self._resume_loader_state = self._resume_loader_state, None
-        return Prefetcher(loader, placer, limit=None if limit == math.inf else int(limit), start=start,
-                          depth=self.prefetch, drop_ragged=self.ragged_batches == "drop", stage=stage,
-                          expected_rows=self._expected_rows.get(stage), loader_state=resume)
+        return Prefetcher(
+            loader,
+            placer,
+            limit=None if limit == math.inf else int(limit),
+            start=start,
+            depth=self.prefetch,
+            drop_ragged=self.ragged_batches == "drop",
+            stage=stage,
+            expected_rows=self._expected_rows.get(stage),
+            loader_state=resume,
+        )
 
     def _wait_run_ahead(self, token: Any) -> None:
         self._inflight.append(token)
@@ -746,17 +786,17 @@ class Trainer:
             if stage == "train":
                 try:  # leave the module usable with the last completed step's weights
                     self._sync_module()
-                except Exception:  # noqa: BLE001 - e.g. the state was donated to the failed step
+                except Exception:
                     pass
             for cb in self.callbacks:
                 try:
                     cb.on_exception(self, self.lightning_module, e)
-                except Exception:  # noqa: BLE001 - the original error matters more
+                except Exception:
                     pass
             if hasattr(self.lightning_module, "on_exception"):
                 try:
                     self.lightning_module.on_exception(e)  # type: ignore[union-attr]
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
             raise
         finally:
@@ -764,7 +804,7 @@ class Trainer:
             if self.loggers and self.is_global_zero:
                 try:
                     LoggerCollection(self.loggers).finalize(status)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     if status == "success":
                         raise
             if self.datamodule is not None:
@@ -802,8 +842,10 @@ class Trainer:
                 raise MisconfigurationError("fit needs train_dataloaders, a datamodule or model.train_dataloader()")
             if val_loader is not None and not model._overrides("validation_step"):
                 # Lightning: a val loader without validation_step skips validation, with a warning
-                warnings.warn(f"{type(model).__name__} has a val dataloader but no validation_step; "
-                              f"skipping validation", stacklevel=2)
+                warnings.warn(
+                    f"{type(model).__name__} has a val dataloader but no validation_step; skipping validation",
+                    stacklevel=2,
+                )
                 val_loader = None
             self._setup_model()
             self._setup_training()
@@ -812,13 +854,16 @@ class Trainer:
             if self.loggers and self.is_global_zero and getattr(model, "_log_hyperparams", True):
                 hp = dict(model.hparams)
                 if self.datamodule is not None and hasattr(self.datamodule, "hparams"):
-                    hp.update(dict(getattr(self.datamodule, "hparams")))
+                    hp.update(dict(self.datamodule.hparams))
                 if hp:
                     LoggerCollection(self.loggers).log_hyperparams(hp)
             from jaxlight.callbacks.model_summary import ModelSummary  # a ModelSummary callback prints instead
 
-            if (self.enable_model_summary and self.is_global_zero
-                    and not any(isinstance(c, ModelSummary) for c in self.callbacks)):
+            if (
+                self.enable_model_summary
+                and self.is_global_zero
+                and not any(isinstance(c, ModelSummary) for c in self.callbacks)
+            ):
                 assert self.train_state is not None
                 print(summarize(self.train_state.params, self.train_state.opt_state, self.mesh))
             self._call("on_fit_start")
@@ -873,13 +918,15 @@ class Trainer:
                 if self.val_check_interval != 1.0:
                     raise MisconfigurationError(
                         f"val_check_interval={self.val_check_interval} needs a train loader with a length; "
-                        f"pass an int number of batches")
+                        f"pass an int number of batches"
+                    )
                 return math.inf
             return max(1, int(self.num_training_batches * self.val_check_interval))
         if self.check_val_every_n_epoch is not None and self.val_check_interval > self.num_training_batches:
             raise MisconfigurationError(
                 f"val_check_interval ({self.val_check_interval}) must be <= the number of training batches "
-                f"({self.num_training_batches}); set check_val_every_n_epoch=None to count batches across epochs")
+                f"({self.num_training_batches}); set check_val_every_n_epoch=None to count batches across epochs"
+            )
         return self.val_check_interval
 
     def _can_stop_early(self) -> bool:
@@ -899,9 +946,11 @@ class Trainer:
             return
         k = self.accumulate_grad_batches
         if self.num_training_batches != math.inf and self.num_training_batches % k and self.is_global_zero:
-            print(f"jaxlight: accumulate_grad_batches={k} does not divide the {self.num_training_batches} batches "
-                  f"of an epoch; the last {int(self.num_training_batches % k)} batches' gradients carry into the "
-                  f"next epoch's first update")
+            print(
+                f"jaxlight: accumulate_grad_batches={k} does not divide the {self.num_training_batches} batches "
+                f"of an epoch; the last {int(self.num_training_batches % k)} batches' gradients carry into the "
+                f"next epoch's first update"
+            )
         val_every = self._val_check_batch()
         self._call("on_train_start")
         total_batches = self._micro_batches
@@ -942,15 +991,13 @@ class Trainer:
                         self._log_step_metrics()
                     is_last = self.num_training_batches != math.inf and idx + 1 >= self.num_training_batches
                     if self._should_validate(val_loader, idx, total_batches, val_every, is_last):
-                        self._eval_loop("validate", val_loader, limit=self._limit("validate", val_loader),
-                                        in_fit=True)
+                        self._eval_loop("validate", val_loader, limit=self._limit("validate", val_loader), in_fit=True)
                         ran_val_at_end = True
                     if self._training_done():
                         break
             finally:
                 fetcher.close()
-            if (val_loader is not None and not ran_val_at_end and val_every == math.inf
-                    and self._val_epoch_due()):
+            if val_loader is not None and not ran_val_at_end and val_every == math.inf and self._val_epoch_due():
                 self._eval_loop("validate", val_loader, limit=self._limit("validate", val_loader), in_fit=True)
             # epoch end: epoch-level train metrics first, so epoch-end hooks see them
             epoch_logged = self._epoch_metrics("train")
@@ -970,7 +1017,9 @@ class Trainer:
         if self.global_step % self.log_every_n_steps:
             store = self._stores.get("train")
             if store is not None and any(s.on_step and s.prog_bar for s in store.specs.values()):
-                vals = {k: v for k, v in store.step_values.items() if store.specs[k].on_step and store.specs[k].prog_bar}
+                vals = {
+                    k: v for k, v in store.step_values.items() if store.specs[k].on_step and store.specs[k].prog_bar
+                }
                 for k, v in to_host(vals).items():
                     spec = store.specs[k]
                     self.progress_bar_metrics[self._metric_names(spec, k, "step") if spec.on_epoch else k] = v
@@ -1022,7 +1071,9 @@ class Trainer:
         setattr(self, {"validate": "validating", "test": "testing", "predict": "predicting"}[stage], True)
         prev_stage = self._stage
         self._stage = stage
-        count_attr = {"validate": "num_val_batches", "test": "num_test_batches", "predict": "num_predict_batches"}[stage]
+        count_attr = {"validate": "num_val_batches", "test": "num_test_batches", "predict": "num_predict_batches"}[
+            stage
+        ]
         setattr(self, count_attr, limit)
         if in_fit:
             params, rest = self.eval_params(), self.train_state.rest  # type: ignore[union-attr]
@@ -1071,8 +1122,14 @@ class Trainer:
             return self.eval_params(), self.train_state.rest
         return self._read_module()
 
-    def _run_eval(self, stage: str, model: LightningModule | None, dataloaders: Any, ckpt_path: str | None,
-                  datamodule: LightningDataModule | None) -> Any:
+    def _run_eval(
+        self,
+        stage: str,
+        model: LightningModule | None,
+        dataloaders: Any,
+        ckpt_path: str | None,
+        datamodule: LightningDataModule | None,
+    ) -> Any:
         if model is None:
             model = self.lightning_module
             if model is None:
@@ -1096,25 +1153,42 @@ class Trainer:
             out = self._eval_loop(stage, loader, self._limit(stage, loader))
         return out
 
-    def validate(self, model: LightningModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-                 verbose: bool = True, datamodule: LightningDataModule | None = None) -> list[dict[str, float]]:
+    def validate(
+        self,
+        model: LightningModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        verbose: bool = True,
+        datamodule: LightningDataModule | None = None,
+    ) -> list[dict[str, float]]:
         """Run one validation epoch; returns ``[{metric: value}]`` of the epoch-level logged metrics."""
         metrics = self._run_eval("validate", model, dataloaders, ckpt_path, datamodule)
         if verbose and self.is_global_zero:
             _print_results("Validate", metrics)
         return [metrics]
 
-    def test(self, model: LightningModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-             verbose: bool = True, datamodule: LightningDataModule | None = None) -> list[dict[str, float]]:
+    def test(
+        self,
+        model: LightningModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        verbose: bool = True,
+        datamodule: LightningDataModule | None = None,
+    ) -> list[dict[str, float]]:
         """Run one test epoch; returns ``[{metric: value}]`` of the epoch-level logged metrics."""
         metrics = self._run_eval("test", model, dataloaders, ckpt_path, datamodule)
         if verbose and self.is_global_zero:
             _print_results("Test", metrics)
         return [metrics]
 
-    def predict(self, model: LightningModule | None = None, dataloaders: Any = None,
-                datamodule: LightningDataModule | None = None, return_predictions: bool | None = None,
-                ckpt_path: str | None = None) -> list[Any] | None:
+    def predict(
+        self,
+        model: LightningModule | None = None,
+        dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
+        return_predictions: bool | None = None,
+        ckpt_path: str | None = None,
+    ) -> list[Any] | None:
         """Run ``predict_step`` over every batch; returns the per-batch outputs (jax arrays)."""
         preds = self._run_eval("predict", model, dataloaders, ckpt_path, datamodule)
         return preds if return_predictions is not False else None
@@ -1127,15 +1201,20 @@ def _assert_same_batch_across_processes(stage: str, batch: Any) -> None:
 
     from jax.experimental import multihost_utils
 
-    desc = repr([(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
-                 for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]])
+    desc = repr(
+        [
+            (jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
+            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+        ]
+    )
     digest = np.int32(zlib.crc32(desc.encode()) & 0x7FFFFFFF)  # int32: jax runs without x64
     try:
         multihost_utils.assert_equal(digest, f"{stage} batches differ across processes")
     except AssertionError as e:
         raise MisconfigurationError(
             f"{stage} batches have a different structure on process {jax.process_index()}: {desc}; every "
-            f"process must yield batches of the same shapes and dtypes") from e
+            f"process must yield batches of the same shapes and dtypes"
+        ) from e
 
 
 def _print_results(title: str, metrics: Mapping[str, float]) -> None:

@@ -67,8 +67,9 @@ def trainer(dirpath: str, callbacks=(), every_n_train_steps: int = 2, **kw) -> j
     kw.setdefault("max_steps", 10)
     kw.setdefault("accumulate_grad_batches", 2)
     ckpt = jl.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_last=True)
-    return jl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[*callbacks, ckpt], **kw)
+    return jl.Trainer(
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, ckpt], **kw
+    )
 
 
 def host_params(trainer: jl.Trainer) -> dict[str, np.ndarray]:

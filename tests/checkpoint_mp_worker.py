@@ -10,8 +10,7 @@ import os
 import sys
 import time
 
-pid, nproc, port, out, opts = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                               json.loads(sys.argv[5]))
+pid, nproc, port, out, opts = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["TQDM_DISABLE"] = "1"
@@ -22,7 +21,6 @@ import jaxlight as jl  # noqa: E402
 os.environ.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(pid))
 assert jl.distributed.initialize() is True
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
@@ -40,22 +38,30 @@ class Driver(jl.Callback):
 
 
 x, y = arrays(64)
-data = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)]
+data = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
 if opts.get("process_local"):
     # Each process reads its own half through its own shuffled loader, so the loaders' positions and
     # generator states differ between processes and each must resume from its own.
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    share = torch.utils.data.TensorDataset(torch.from_numpy(x[pid * 32:(pid + 1) * 32]),
-                                           torch.from_numpy(y[pid * 32:(pid + 1) * 32]))
+    share = torch.utils.data.TensorDataset(
+        torch.from_numpy(x[pid * 32 : (pid + 1) * 32]), torch.from_numpy(y[pid * 32 : (pid + 1) * 32])
+    )
     gen = torch.Generator()
     gen.manual_seed(100 + pid)
     data = StatefulDataLoader(share, batch_size=4, shuffle=True, generator=gen)
 ckpt = jl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=5, save_last=True)
-t = jl.Trainer(strategy="ddp", devices=4, max_steps=opts["max_steps"], logger=False, enable_progress_bar=False,
-               enable_model_summary=False, callbacks=[Driver(), ckpt],
-               process_local_batches=bool(opts.get("process_local")))
+t = jl.Trainer(
+    strategy="ddp",
+    devices=4,
+    max_steps=opts["max_steps"],
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    callbacks=[Driver(), ckpt],
+    process_local_batches=bool(opts.get("process_local")),
+)
 try:
     t.fit(DropoutClassifier(), data, ckpt_path=opts.get("ckpt_path"))
 except jl.Preempted as e:

@@ -42,8 +42,12 @@ class Driver(jl.Callback):
 
 din, hidden = opts.get("din", 8), opts.get("hidden", 32)
 model = DropoutClassifier(din=din, hidden=hidden)
-t = trainer(os.path.join(out, "ckpts"), callbacks=[Driver()], every_n_train_steps=opts.get("every", 2),
-            max_steps=opts["max_steps"])
+t = trainer(
+    os.path.join(out, "ckpts"),
+    callbacks=[Driver()],
+    every_n_train_steps=opts.get("every", 2),
+    max_steps=opts["max_steps"],
+)
 try:
     t.fit(model, stateful_loader(din=din), ckpt_path=opts.get("ckpt_path"))
 except jl.Preempted as e:

@@ -10,7 +10,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_platforms", "cpu")
 

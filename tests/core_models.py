@@ -74,7 +74,7 @@ def make_data(n: int = 256, seed: int = 0):
 
 
 def batches(x, y, bs: int):
-    return [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]
+    return [(x[i : i + bs], y[i : i + bs]) for i in range(0, len(x), bs)]
 
 
 def initial_state(model_cls=MLP, **kw):
@@ -122,8 +122,13 @@ def max_diff(a, b) -> float:
 
 def quiet(**kw):
     """Trainer kwargs without progress bar, summary, loggers or checkpoints, unless given."""
-    base = dict(enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
-                num_sanity_val_steps=0)
+    base = dict(
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     base.update(kw)
     return base
 

@@ -38,20 +38,32 @@ global_batches = token_batches(3, 32)
 # "fsdp_global": every process's loader yields the whole global batch (process_local_batches=False)
 for run in ("ddp", "fsdp", "fsdp_global"):
     strategy, process_local = run.split("_")[0], not run.endswith("_global")
-    trainer = jl.Trainer(strategy=strategy, devices=4, max_epochs=1, enable_progress_bar=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, process_local_batches=process_local,
-                         log_every_n_steps=1, default_root_dir=os.path.join(out, f"{run}_p{pid}"))
+    trainer = jl.Trainer(
+        strategy=strategy,
+        devices=4,
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        process_local_batches=process_local,
+        log_every_n_steps=1,
+        default_root_dir=os.path.join(out, f"{run}_p{pid}"),
+    )
     part = data_partition(trainer.mesh)
     rows = 32 // part.count if process_local else 32
     # With process_local_batches this process's loader holds only its share of each global batch.
-    local = [{"tokens": b["tokens"][part.index * rows:(part.index + 1) * rows]} for b in global_batches] \
-        if process_local else global_batches
+    local = (
+        [{"tokens": b["tokens"][part.index * rows : (part.index + 1) * rows]} for b in global_batches]
+        if process_local
+        else global_batches
+    )
     cb = Losses()
     trainer.callbacks.append(cb)
     model = LM()
     trainer.fit(model, local)
-    params = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-              for k, v in trainer.train_state.params.items()}
+    params = {
+        k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in trainer.train_state.params.items()
+    }
     result[run] = {
         "mesh": {k: int(v) for k, v in trainer.mesh.shape.items() if v > 1},
         "partition": list(part),
@@ -66,9 +78,17 @@ for run in ("ddp", "fsdp", "fsdp_global"):
 result["tp_partition"] = list(data_partition(jl.strategies.resolve_strategy("tp").build_mesh(jax.devices())))
 # Processes whose loaders disagree on batch shapes would compile different steps and wait on each other
 # forever; the trainer compares the batch structure once and raises instead.
-trainer = jl.Trainer(strategy="ddp", devices=4, max_epochs=1, enable_progress_bar=False, logger=False,
-                     enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     process_local_batches=True)
+trainer = jl.Trainer(
+    strategy="ddp",
+    devices=4,
+    max_epochs=1,
+    enable_progress_bar=False,
+    logger=False,
+    enable_checkpointing=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    process_local_batches=True,
+)
 uneven = [{"tokens": b["tokens"][:16, : 9 - pid]} for b in global_batches]
 try:
     trainer.fit(LM(), uneven)

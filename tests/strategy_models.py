@@ -15,7 +15,10 @@ import jaxlight as jl
 def _dense(din: int, dout: int, names: tuple, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
     init = nnx.initializers.lecun_normal()
     return nnx.Linear(
-        din, dout, use_bias=bias, rngs=rngs,
+        din,
+        dout,
+        use_bias=bias,
+        rngs=rngs,
         kernel_init=nnx.with_partitioning(init, names),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (names[1],)),
     )
@@ -54,10 +57,15 @@ class Block(nnx.Module):
 
 
 class TinyLM(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, vocab: int = 256, embed: int = 256, heads: int = 8, mlp: int = 256,
-                 layers: int = 1) -> None:
-        self.embed = nnx.Embed(vocab, embed, rngs=rngs,
-                               embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")))
+    def __init__(
+        self, rngs: nnx.Rngs, vocab: int = 256, embed: int = 256, heads: int = 8, mlp: int = 256, layers: int = 1
+    ) -> None:
+        self.embed = nnx.Embed(
+            vocab,
+            embed,
+            rngs=rngs,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+        )
         self.blocks = nnx.List([Block(embed, heads, mlp, rngs) for _ in range(layers)])
         scale_init = nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",))
         self.ln = nnx.LayerNorm(embed, rngs=rngs, scale_init=scale_init, use_bias=False)

@@ -77,8 +77,14 @@ def replay(seq, **kw):
 
 @pytest.mark.parametrize("seq,kw", CASES)
 def test_criteria_match_lightning_rules(seq, kw):
-    want = expected_stop(seq, kw["patience"], kw.get("mode", "min"), kw.get("min_delta", 0.0),
-                         kw.get("stopping_threshold"), kw.get("divergence_threshold"))
+    want = expected_stop(
+        seq,
+        kw["patience"],
+        kw.get("mode", "min"),
+        kw.get("min_delta", 0.0),
+        kw.get("stopping_threshold"),
+        kw.get("divergence_threshold"),
+    )
     assert want is not None and want < len(seq) - 1  # every case stops before the sequence ends
     assert replay(seq, **kw) == want
 

@@ -72,9 +72,14 @@ def test_ema_placement_dtype_and_validation_weights():
     x, y = make_data(64)
     data = batches(x, y, 16)
     ema = EMA(decay=0.8)
-    trainer = jl.Trainer(max_epochs=1, devices=8, strategy=jl.strategies.FSDP(min_shard=1), precision="bf16-true",
-                         callbacks=[ema],
-                         **quiet())
+    trainer = jl.Trainer(
+        max_epochs=1,
+        devices=8,
+        strategy=jl.strategies.FSDP(min_shard=1),
+        precision="bf16-true",
+        callbacks=[ema],
+        **quiet(),
+    )
     model = ParamSumProbe(lr=5e-2)
     trainer.fit(model, data, data)
     params, avg = trainer.train_state.params, ema.ema_params(trainer)
@@ -117,8 +122,9 @@ def test_ema_and_early_stopping_state_survive_a_resume():
         ema = EMA(decay=0.7)
         es = jl.callbacks.EarlyStopping(monitor="train_loss", patience=10)
         ckpt = jl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)
-        trainer = jl.Trainer(max_epochs=max_epochs, devices=2, callbacks=[ema, es, ckpt],
-                             **quiet(enable_checkpointing=True))
+        trainer = jl.Trainer(
+            max_epochs=max_epochs, devices=2, callbacks=[ema, es, ckpt], **quiet(enable_checkpointing=True)
+        )
         trainer.fit(Classifier(lr=5e-2), data, ckpt_path=ckpt_path)
         return {k: np.asarray(v) for k, v in ema.ema_params(trainer).items()}, es.state_dict()
 

@@ -38,8 +38,14 @@ def read_column(path, name):
 def test_logs_schedule_at_the_metric_steps(kind, accum):
     csv_logger = jl.loggers.CSVLogger("logs")
     mon = LearningRateMonitor()
-    trainer = jl.Trainer(max_epochs=2, devices=1, log_every_n_steps=2, accumulate_grad_batches=accum,
-                         callbacks=[mon], **quiet(logger=csv_logger))
+    trainer = jl.Trainer(
+        max_epochs=2,
+        devices=1,
+        log_every_n_steps=2,
+        accumulate_grad_batches=accum,
+        callbacks=[mon],
+        **quiet(logger=csv_logger),
+    )
     trainer.fit(Scheduled(kind), DATA)
     n_updates = 2 * len(DATA) // accum
     steps = [g for g in range(n_updates) if (g + 1) % 2 == 0]
@@ -62,15 +68,17 @@ def test_epoch_interval_and_sgd_name():
 
 def test_inject_hyperparams_reads_the_optimizer_state():
     mon = LearningRateMonitor()
-    trainer = jl.Trainer(max_epochs=1, devices=1, log_every_n_steps=4, callbacks=[mon],
-                         **quiet(logger=jl.loggers.CSVLogger("logs")))
+    trainer = jl.Trainer(
+        max_epochs=1, devices=1, log_every_n_steps=4, callbacks=[mon], **quiet(logger=jl.loggers.CSVLogger("logs"))
+    )
     trainer.fit(Scheduled("inject"), DATA)
     # logged before update g (g = 3, 7): the state holds the rate update g - 1 used
     np.testing.assert_allclose(mon.lrs["lr-Adam"], [float(SCHED(2)), float(SCHED(6))], rtol=1e-6)
 
 
 def test_fixed_float_lr_is_refused_with_a_fix():
-    trainer = jl.Trainer(max_epochs=1, devices=1, callbacks=[LearningRateMonitor()],
-                         **quiet(logger=jl.loggers.CSVLogger("logs")))
+    trainer = jl.Trainer(
+        max_epochs=1, devices=1, callbacks=[LearningRateMonitor()], **quiet(logger=jl.loggers.CSVLogger("logs"))
+    )
     with pytest.raises(RuntimeError, match="inject_hyperparams"):
         trainer.fit(Scheduled("fixed"), DATA)

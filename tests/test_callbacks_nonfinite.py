@@ -44,7 +44,7 @@ def test_skip_drops_exactly_that_update():
     assert guard.skipped == [bad]
     # Skipping keeps params and optimizer state (Adam's count too), so the result equals training without that batch.
     ref = Classifier()
-    jl.Trainer(max_epochs=1, devices=8, **quiet()).fit(ref, data[:bad] + data[bad + 1:])
+    jl.Trainer(max_epochs=1, devices=8, **quiet()).fit(ref, data[:bad] + data[bad + 1 :])
     got, want = nnx.state(model.net, nnx.Param), nnx.state(ref.net, nnx.Param)
     assert max_diff(got, want) <= 1e-6
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(got))
@@ -61,8 +61,7 @@ def test_skip_leaves_params_unchanged_at_that_step():
                 seen[batch_idx] = {k: np.asarray(v) for k, v in trainer.train_state.params.items()}
                 seen[f"skipped{batch_idx}"] = bool(outputs["skipped"])
 
-    trainer = jl.Trainer(max_epochs=1, devices=1, callbacks=[NonFiniteGuard("skip", verbose=False), Snap()],
-                         **quiet())
+    trainer = jl.Trainer(max_epochs=1, devices=1, callbacks=[NonFiniteGuard("skip", verbose=False), Snap()], **quiet())
     trainer.fit(Classifier(), data)
     assert seen[f"skipped{bad}"] and not seen[f"skipped{bad - 1}"]
     for k in seen[bad]:

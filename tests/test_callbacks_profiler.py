@@ -34,8 +34,9 @@ def test_window_holds_the_loop_not_the_compile(tmp_path):
     assert len(xplanes) == 1 and glob.glob(os.path.join(runs[0], "*.trace.json.gz"))  # Perfetto/TensorBoard
     # steps 2..6: the first two (with the compile) are outside the window
     assert traced_steps(xplanes[0]) == [2, 3, 4, 5, 6]
-    names = [ev.name for plane in ProfileData.from_file(xplanes[0]).planes for line in plane.lines
-             for ev in line.events]
+    names = [
+        ev.name for plane in ProfileData.from_file(xplanes[0]).planes for line in plane.lines for ev in line.events
+    ]
     # five executions of the compiled train step, and no compilation inside the window
     assert sum(n.startswith("CommonPjRtLoadedExecutable::Execute (jit_train_step)") for n in names) == 5
     assert "backend_compile_and_load" not in names
@@ -53,8 +54,12 @@ def test_short_fit_stops_the_trace_at_train_end(tmp_path):
     xplane2 = glob.glob(os.path.join(prof2.trace_dir, "*.xplane.pb"))[0]
     assert traced_steps(xplane2) == [0, 1]
     # warmup=0 puts the compile in the window: the check above would see it
-    assert any(ev.name == "backend_compile_and_load" for plane in ProfileData.from_file(xplane2).planes
-               for line in plane.lines for ev in line.events)
+    assert any(
+        ev.name == "backend_compile_and_load"
+        for plane in ProfileData.from_file(xplane2).planes
+        for line in plane.lines
+        for ev in line.events
+    )
 
 
 def test_bad_arguments():

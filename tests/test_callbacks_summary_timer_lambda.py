@@ -11,8 +11,13 @@ DATA = batches(*make_data(64), 16)
 
 def test_model_summary_counts_bytes_and_sharding(capsys):
     summ = ModelSummary(max_depth=2)
-    trainer = jl.Trainer(max_epochs=1, devices=8, strategy=jl.strategies.FSDP(min_shard=1), callbacks=[summ],
-                         **quiet(enable_model_summary=True))
+    trainer = jl.Trainer(
+        max_epochs=1,
+        devices=8,
+        strategy=jl.strategies.FSDP(min_shard=1),
+        callbacks=[summ],
+        **quiet(enable_model_summary=True),
+    )
     trainer.fit(Classifier(), DATA)
     rows = {r["name"]: r for r in summ.rows}
     assert list(rows) == ["net", "net/l1", "net/l2"]
@@ -63,7 +68,8 @@ def test_lambda_callback_calls_hooks_in_order():
         on_fit_start=lambda t, m: calls.append("fit_start"),
         on_train_epoch_start=lambda t, m: calls.append(f"epoch{t.current_epoch}"),
         on_train_batch_end=lambda t, m, out, batch, idx: calls.append(idx),
-        on_fit_end=lambda t, m: calls.append("fit_end"))
+        on_fit_end=lambda t, m: calls.append("fit_end"),
+    )
     jl.Trainer(max_epochs=2, devices=1, callbacks=[cb], **quiet()).fit(Classifier(), DATA)
     assert calls == ["fit_start", "epoch0", 0, 1, 2, 3, "epoch1", 0, 1, 2, 3, "fit_end"]
     with pytest.raises(ValueError, match="not a Callback hook"):

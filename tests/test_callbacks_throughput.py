@@ -17,8 +17,9 @@ def test_flops_match_cost_analysis_and_rates_agree():
     data = batches(*make_data(bs * 8), bs)
     mon = ThroughputMonitor(window=4, peak_flops=1e12)
     csv_logger = jl.loggers.CSVLogger("logs")
-    trainer = jl.Trainer(max_epochs=1, devices=devices, log_every_n_steps=4, callbacks=[mon],
-                         **quiet(logger=csv_logger))
+    trainer = jl.Trainer(
+        max_epochs=1, devices=devices, log_every_n_steps=4, callbacks=[mon], **quiet(logger=csv_logger)
+    )
     trainer.fit(Classifier(), data)
     cost = trainer.compiled["train"].cost_analysis()
     assert mon.flops_per_step == cost["flops"] > 0
@@ -59,10 +60,16 @@ def test_tokens_from_a_2d_int_batch_and_length_fn():
     data = batches(tokens, y, 16)
     auto = ThroughputMonitor(window=2)
     given = ThroughputMonitor(window=2, length_fn=lambda b: (b[0] > 15).sum())  # a device scalar, fetched at log
-    jl.Trainer(max_epochs=1, devices=1, log_every_n_steps=4, callbacks=[auto, given],
-               **quiet(logger=jl.loggers.CSVLogger("logs"))).fit(TokenModel(), data)
-    np.testing.assert_allclose(auto.metrics["train/items_per_sec"], auto.metrics["train/samples_per_sec"] * 12,
-                               rtol=1e-6)
+    jl.Trainer(
+        max_epochs=1,
+        devices=1,
+        log_every_n_steps=4,
+        callbacks=[auto, given],
+        **quiet(logger=jl.loggers.CSVLogger("logs")),
+    ).fit(TokenModel(), data)
+    np.testing.assert_allclose(
+        auto.metrics["train/items_per_sec"], auto.metrics["train/samples_per_sec"] * 12, rtol=1e-6
+    )
     # length_fn: tokens > 15 in the last two batches (the window) over the window's time
     n = int((tokens[32:] > 15).sum())
     dt = given.metrics["train/step_time"] * 2
@@ -86,8 +93,14 @@ class SlowValidation(Classifier):
 def test_validation_time_is_not_training_time():
     data = batches(*make_data(16 * 8), 16)
     mon = ThroughputMonitor(window=8)
-    trainer = jl.Trainer(max_epochs=1, devices=1, log_every_n_steps=8, val_check_interval=4, callbacks=[mon],
-                         **quiet(logger=jl.loggers.CSVLogger("logs")))
+    trainer = jl.Trainer(
+        max_epochs=1,
+        devices=1,
+        log_every_n_steps=8,
+        val_check_interval=4,
+        callbacks=[mon],
+        **quiet(logger=jl.loggers.CSVLogger("logs")),
+    )
     trainer.fit(SlowValidation(), data, data[:1])
     # the window (steps 1..8) spans the validation after step 4; its 1 s sleep is not in the step time
     assert mon.metrics["train/step_time"] * 7 < 1.0, mon.metrics

@@ -24,13 +24,19 @@ class Scored(DropoutClassifier):
 
 def _data():
     x, y = arrays(32)
-    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)], [(x[:8], y[:8])]
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)], [(x[:8], y[:8])]
 
 
 def _fit(callbacks, max_epochs=EPOCHS, ckpt_path=None):
     train, val = _data()
-    t = jl.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, callbacks=callbacks)
+    t = jl.Trainer(
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
     t.fit(Scored(), train, val, ckpt_path=ckpt_path)
     return t
 
@@ -47,10 +53,12 @@ def _name(epoch, **extra):
 def test_top_k_monitor_mode_and_last(tmp_path):
     d = {k: str(tmp_path / k) for k in ("min2", "max1", "none1", "all3")}
     mc = jl.callbacks.ModelCheckpoint
-    cbs = [mc(dirpath=d["min2"], monitor="score", mode="min", save_top_k=2, save_last=True),
-           mc(dirpath=d["max1"], monitor="score", mode="max", save_top_k=1, filename="{epoch}-{score:.2f}"),
-           mc(dirpath=d["none1"]),
-           mc(dirpath=d["all3"], save_top_k=-1, every_n_train_steps=3)]
+    cbs = [
+        mc(dirpath=d["min2"], monitor="score", mode="min", save_top_k=2, save_last=True),
+        mc(dirpath=d["max1"], monitor="score", mode="max", save_top_k=1, filename="{epoch}-{score:.2f}"),
+        mc(dirpath=d["none1"]),
+        mc(dirpath=d["all3"], save_top_k=-1, every_n_train_steps=3),
+    ]
     t = _fit(cbs)
     assert t.checkpoint_callbacks == cbs
 
@@ -80,9 +88,9 @@ def test_top_k_monitor_mode_and_last(tmp_path):
 
 def test_bookkeeping_survives_resume(tmp_path):
     """Stopping after 3 epochs and resuming to 5 leaves the same files as one uninterrupted run."""
+
     def cb(dirpath):
-        return jl.callbacks.ModelCheckpoint(dirpath=dirpath, monitor="score", mode="min", save_top_k=2,
-                                            save_last=True)
+        return jl.callbacks.ModelCheckpoint(dirpath=dirpath, monitor="score", mode="min", save_top_k=2, save_last=True)
 
     _fit([cb(str(tmp_path / "straight"))])
     _fit([cb(str(tmp_path / "resumed"))], max_epochs=3)
@@ -107,9 +115,14 @@ def test_argument_errors():
 
 def test_missing_monitor_names_the_logged_metrics(tmp_path):
     train, val = _data()
-    t = jl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0,
-                   callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), monitor="val_acc")])
+    t = jl.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), monitor="val_acc")],
+    )
     with pytest.raises(ValueError, match=r"monitor='val_acc'.*'score'"):
         t.fit(Scored(), train, val)
 

@@ -17,7 +17,7 @@ from tests.checkpoint_models import DropoutClassifier, arrays, host_params
 
 def _data():
     x, y = arrays(32)
-    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,13 @@ def saved(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(d)
     try:
-        t = jl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                       callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(d / "ck"), save_last=True)])
+        t = jl.Trainer(
+            max_epochs=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(d / "ck"), save_last=True)],
+        )
         t.fit(DropoutClassifier(hidden=16), _data())
         t.save_checkpoint(str(d / "manual.ckpt"))  # Lightning's trainer.save_checkpoint, after fit
     finally:
@@ -87,8 +92,13 @@ def test_mismatched_model_lists_the_paths(saved):
 
 def test_last_without_checkpoint_says_where_it_looked(tmp_path):
     d = tmp_path / "nothing"
-    t = jl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(d))])
+    t = jl.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(d))],
+    )
     with pytest.raises(FileNotFoundError, match=r"ckpt_path='last': no complete checkpoint found in \['.*nothing'\]"):
         t.fit(DropoutClassifier(), _data(), ckpt_path="last")
 
@@ -101,8 +111,13 @@ def test_partial_and_corrupt_directories(saved, tmp_path):
     shutil.copytree(real, tmp)
     with pytest.raises(jl.CheckpointError, match="unfinished save"):
         DropoutClassifier.load_from_checkpoint(str(tmp))
-    t = jl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"))])
+    t = jl.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"))],
+    )
     with pytest.raises(FileNotFoundError, match="incomplete \\(never committed\\) saves there"):
         t.fit(DropoutClassifier(), _data(), ckpt_path="last")
     # a directory missing an item
@@ -126,15 +141,22 @@ def test_partial_and_corrupt_directories(saved, tmp_path):
 
 
 def test_weights_only_checkpoint_cannot_resume_fit(tmp_path):
-    t = jl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_weights_only=True)])
+    t = jl.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_weights_only=True)],
+    )
     t.fit(DropoutClassifier(), _data())
     path = t.checkpoint_callback.best_model_path
     assert not os.path.exists(os.path.join(path, "train"))
     m = DropoutClassifier.load_from_checkpoint(path)  # fine for inference
-    np.testing.assert_array_equal(np.asarray(m.net.l1.kernel[...]),
-                                  np.asarray(jax.device_get(t.train_state.params["net/l1/kernel"])))
-    t2 = jl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                    enable_checkpointing=False)
+    np.testing.assert_array_equal(
+        np.asarray(m.net.l1.kernel[...]), np.asarray(jax.device_get(t.train_state.params["net/l1/kernel"]))
+    )
+    t2 = jl.Trainer(
+        max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
+    )
     with pytest.raises(jl.CheckpointError, match="only the model weights"):
         t2.fit(DropoutClassifier(), _data(), ckpt_path=path)

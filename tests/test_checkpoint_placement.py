@@ -35,9 +35,16 @@ def _fit(strategy, devices, max_steps, dirpath=None, ckpt_path=None):
     cbs = [rec]
     if dirpath is not None:
         cbs.append(jl.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=SPLIT, save_top_k=-1))
-    t = jl.Trainer(strategy=strategy, devices=devices, max_steps=max_steps, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=dirpath is not None,
-                   callbacks=cbs)
+    t = jl.Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=dirpath is not None,
+        callbacks=cbs,
+    )
     t.fit(LM(**DIMS), token_batches(STEPS, 16, vocab=DIMS["vocab"]), ckpt_path=ckpt_path)
     return t, rec
 
@@ -56,8 +63,9 @@ def straight(tmp_path_factory):
 FSDP_TP = jl.strategies.FSDP(min_shard=256) + jl.strategies.TensorParallel(2)
 
 
-@pytest.mark.parametrize("strategy,devices", [(FSDP_TP, 8), pytest.param("ddp", 4, marks=pytest.mark.slow)],
-                         ids=["fsdp+tp-8", "ddp-4"])
+@pytest.mark.parametrize(
+    "strategy,devices", [(FSDP_TP, 8), pytest.param("ddp", 4, marks=pytest.mark.slow)], ids=["fsdp+tp-8", "ddp-4"]
+)
 def test_restore_on_other_placement_continues_identically(straight, strategy, devices):
     path, ref_losses = straight
     t, rec = _fit(strategy, devices, STEPS, ckpt_path=path)
@@ -70,8 +78,7 @@ def test_restore_on_other_placement_continues_identically(straight, strategy, de
         assert {"fsdp", "tensor"} <= axes  # really split over both axes
     # ... with the saved values, exactly (checked against an independent inference load)
     ref = LM.load_from_checkpoint(path)
-    ref_params = {k: np.asarray(v) for k, v in
-                  jl.state.split_models({"net": ref.net})[1].items()}
+    ref_params = {k: np.asarray(v) for k, v in jl.state.split_models({"net": ref.net})[1].items()}
     assert rec.start_params.keys() == ref_params.keys()
     for k in ref_params:
         np.testing.assert_array_equal(rec.start_params[k], ref_params[k], err_msg=k)

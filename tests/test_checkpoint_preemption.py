@@ -33,8 +33,15 @@ class Proc:
 
     def __init__(self, args: list[str]) -> None:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         self.lines: list[str] = []
         self.q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -64,7 +71,7 @@ class Proc:
             rc = self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"worker hung; output:\n{''.join(self.lines)[-4000:]}")
+            raise AssertionError(f"worker hung; output:\n{''.join(self.lines)[-4000:]}") from None
         time.sleep(0.05)
         return rc
 
@@ -157,8 +164,10 @@ def _free_port() -> int:
 
 def _pair(out: str, **opts) -> list[Proc]:
     port = str(_free_port())
-    return [Proc([os.path.join(HERE, "checkpoint_mp_worker.py"), str(i), "2", port, out, json.dumps(opts)])
-            for i in range(2)]
+    return [
+        Proc([os.path.join(HERE, "checkpoint_mp_worker.py"), str(i), "2", port, out, json.dumps(opts)])
+        for i in range(2)
+    ]
 
 
 @pytest.mark.slow
@@ -185,10 +194,18 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path):
     assert f"restored fit state from {path}" in procs[0].output()  # printed by process 0 only
 
     from tests.checkpoint_models import DropoutClassifier, arrays, host_params
+
     x, y = arrays(64)
-    t = jl.Trainer(strategy="ddp", devices=8, max_steps=24, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False)
-    t.fit(DropoutClassifier(), [(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)])
+    t = jl.Trainer(
+        strategy="ddp",
+        devices=8,
+        max_steps=24,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    t.fit(DropoutClassifier(), [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)])
     got, want = _params(os.path.join(out, "params.npz")), host_params(t)
     assert got.keys() == want.keys()
     for k in want:  # gloo vs in-process reductions may sum in another order

@@ -20,7 +20,7 @@ def _loader(kind: str):
     if kind == "stateful":
         return stateful_loader()
     x, y = arrays()
-    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)]  # a plain re-iterable: resumed by skipping
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]  # a plain re-iterable: resumed by skipping
 
 
 class SignalAt(jl.Callback):
@@ -53,13 +53,16 @@ def _reference(kind: str, tmp_path) -> dict[str, np.ndarray]:
     return _refs[kind]
 
 
-@pytest.mark.parametrize("kind,at", [
-    ("stateful", 11),  # epoch 1, batch 2 done; odd micro-batch: the accumulated gradient is in the checkpoint
-    # the last batch of epoch 0: resumes with a fresh epoch 1 from the saved shuffle state
-    pytest.param("stateful", 8, marks=pytest.mark.slow),
-    # plain re-iterable: resumes by skipping 5 batches of epoch 0
-    pytest.param("list", 5, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "kind,at",
+    [
+        ("stateful", 11),  # epoch 1, batch 2 done; odd micro-batch: the accumulated gradient is in the checkpoint
+        # the last batch of epoch 0: resumes with a fresh epoch 1 from the saved shuffle state
+        pytest.param("stateful", 8, marks=pytest.mark.slow),
+        # plain re-iterable: resumes by skipping 5 batches of epoch 0
+        pytest.param("list", 5, marks=pytest.mark.slow),
+    ],
+)
 def test_sigterm_then_resume_is_bit_identical(kind, at, tmp_path):
     ref = _reference(kind, tmp_path)
     run = str(tmp_path / "run")
@@ -78,7 +81,7 @@ def test_sigterm_then_resume_is_bit_identical(kind, at, tmp_path):
     t2 = trainer(run, callbacks=[count], max_steps=MAX_STEPS)
     t2.fit(DropoutClassifier(), _loader(kind), ckpt_path="last")
     assert len(count.batches) == 2 * MAX_STEPS - at  # resumed, not restarted
-    assert count.batches[0] == (at // 8, at % 8)      # first batch after the stop point
+    assert count.batches[0] == (at // 8, at % 8)  # first batch after the stop point
     got = host_params(t2)
     assert got.keys() == ref.keys()
     for k in ref:
@@ -118,8 +121,14 @@ def test_configured_signal_without_checkpointing(tmp_path):
     """SIGUSR1 when configured; with checkpointing off the run still stops cleanly, saving nothing."""
     assert any(isinstance(c, jl.callbacks.Preemption) for c in jl.Trainer(logger=False).callbacks)  # on by default
     pre = jl.callbacks.Preemption(signals=(signal.SIGTERM, signal.SIGUSR1))
-    t = jl.Trainer(max_steps=MAX_STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False, callbacks=[SignalAt(3, signal.SIGUSR1), pre])
+    t = jl.Trainer(
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[SignalAt(3, signal.SIGUSR1), pre],
+    )
     with pytest.raises(jl.Preempted) as exc:
         t.fit(DropoutClassifier(), _loader("list"))
     assert (exc.value.code, exc.value.signum, exc.value.path, exc.value.step) == (143, signal.SIGUSR1, None, 3)
@@ -146,13 +155,15 @@ class EpochValues(jl.Callback):
 
 def test_mid_epoch_resume_continues_epoch_level_metrics(tmp_path):
     ref_vals = EpochValues()
-    trainer(str(tmp_path / "ref"), callbacks=[ref_vals], max_steps=MAX_STEPS).fit(EpochMeanClassifier(),
-                                                                                    _loader("stateful"))
+    trainer(str(tmp_path / "ref"), callbacks=[ref_vals], max_steps=MAX_STEPS).fit(
+        EpochMeanClassifier(), _loader("stateful")
+    )
     run = str(tmp_path / "run")
     with pytest.raises(jl.Preempted):
         trainer(run, callbacks=[SignalAt(11)], max_steps=MAX_STEPS).fit(EpochMeanClassifier(), _loader("stateful"))
     vals = EpochValues()
-    trainer(run, callbacks=[vals], max_steps=MAX_STEPS).fit(EpochMeanClassifier(), _loader("stateful"),
-                                                            ckpt_path="last")
+    trainer(run, callbacks=[vals], max_steps=MAX_STEPS).fit(
+        EpochMeanClassifier(), _loader("stateful"), ckpt_path="last"
+    )
     # epoch 1 was interrupted after 3 of its 8 batches: its mean still covers all 8 batches
     assert 1 in vals.values and vals.values[1] == pytest.approx(ref_vals.values[1], rel=1e-6, abs=1e-7)

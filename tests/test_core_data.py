@@ -7,7 +7,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight.data import BatchError
-from tests.core_models import EagerClassifier as Classifier, batches, hand_loop, make_data, max_diff, quiet
+from tests.core_models import EagerClassifier as Classifier
+from tests.core_models import batches, hand_loop, make_data, max_diff, quiet
 
 torch = pytest.importorskip("torch")
 
@@ -80,5 +81,3 @@ def test_batch_not_divisible_by_batch_axes():
         fit(data, devices=8)
     _, trainer = fit(data, devices=4)  # 12 rows split over 4 devices is fine
     assert trainer.global_step == 4
-
-

@@ -32,5 +32,4 @@ def test_fit_equals_hand_loop(devices, strategy):
     kernel = model.net.l1.kernel[...]
     assert isinstance(kernel, jax.Array) and len(kernel.sharding.device_set) == devices
     ref_net = nnx.merge(initial_state()[0], ref_params, ref_rest)
-    np.testing.assert_allclose(np.asarray(model.net(jnp.asarray(x))), np.asarray(ref_net(jnp.asarray(x))),
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.net(jnp.asarray(x))), np.asarray(ref_net(jnp.asarray(x))), atol=1e-5)

@@ -7,7 +7,8 @@ import pytest
 
 import jaxlight as jl
 from jaxlight.data import BatchError
-from tests.core_models import EagerClassifier as Classifier, batches, make_data, quiet, xent
+from tests.core_models import EagerClassifier as Classifier
+from tests.core_models import batches, make_data, quiet, xent
 
 x, y = make_data(64)
 TRAIN = batches(x, y, 16)
@@ -27,17 +28,25 @@ class Returns(Classifier):
     def training_step(self, batch, batch_idx):
         bx, by = batch
         per_row = optax.softmax_cross_entropy_with_integer_labels(self.net(bx), by)
-        return {"vector": per_row, "none": None, "no_loss": {"out": per_row.mean()},
-                "int": jnp.int32(1), "dict_vector": {"loss": per_row}}[self.what]
+        return {
+            "vector": per_row,
+            "none": None,
+            "no_loss": {"out": per_row.mean()},
+            "int": jnp.int32(1),
+            "dict_vector": {"loss": per_row},
+        }[self.what]
 
 
-@pytest.mark.parametrize(("what", "message"), [
-    ("vector", r"loss must be a scalar, got shape \(16,\)"),
-    ("dict_vector", r"loss must be a scalar, got shape \(16,\)"),
-    ("none", r"training_step returned None; it must return a scalar loss or a dict with a scalar 'loss'"),
-    ("no_loss", r"training_step returned a dict without a 'loss' key \(keys: \['out'\]\)"),
-    ("int", r"loss must be floating point, got dtype int32"),
-])
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("vector", r"loss must be a scalar, got shape \(16,\)"),
+        ("dict_vector", r"loss must be a scalar, got shape \(16,\)"),
+        ("none", r"training_step returned None; it must return a scalar loss or a dict with a scalar 'loss'"),
+        ("no_loss", r"training_step returned a dict without a 'loss' key \(keys: \['out'\]\)"),
+        ("int", r"loss must be floating point, got dtype int32"),
+    ],
+)
 def test_bad_training_step_output(what, message):
     trainer = jl.Trainer(max_epochs=1, **quiet())
     with pytest.raises(jl.StepError, match=message):
@@ -45,12 +54,18 @@ def test_bad_training_step_output(what, message):
     assert trainer.global_step == 0
 
 
-@pytest.mark.parametrize(("opt", "message"), [
-    (lambda: "adam", r"optax.GradientTransformation.*got str"),
-    (lambda: optax.adam, r"optax.GradientTransformation.*got function"),
-    (lambda: {"lr_scheduler": optax.constant_schedule(1.0)}, r"dict without 'optimizer' \(keys: \['lr_scheduler'\]\)"),
-    (lambda: {"optimizer": optax.sgd(0.1), "lr_scheduler": 3}, r"lr_scheduler must be an optax schedule.*got int"),
-])
+@pytest.mark.parametrize(
+    ("opt", "message"),
+    [
+        (lambda: "adam", r"optax.GradientTransformation.*got str"),
+        (lambda: optax.adam, r"optax.GradientTransformation.*got function"),
+        (
+            lambda: {"lr_scheduler": optax.constant_schedule(1.0)},
+            r"dict without 'optimizer' \(keys: \['lr_scheduler'\]\)",
+        ),
+        (lambda: {"optimizer": optax.sgd(0.1), "lr_scheduler": 3}, r"lr_scheduler must be an optax schedule.*got int"),
+    ],
+)
 def test_bad_configure_optimizers(opt, message):
     class Bad(Classifier):
         def configure_optimizers(self):
@@ -96,18 +111,21 @@ def test_unknown_precision(precision):
         jl.Trainer(precision=precision)
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5 as a float must be within \[0.0, 1.0\]"),
-    ({"limit_val_batches": -1}, r"limit_val_batches=-1 must be >= 0"),
-    ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be an int >= 1, got 0"),
-    ({"gradient_clip_algorithm": "max"}, r"gradient_clip_algorithm='max'; choose 'norm' or 'value'"),
-    ({"gradient_clip_val": -1.0}, r"gradient_clip_val must be >= 0, got -1.0"),
-    ({"val_check_interval": 1.5}, r"val_check_interval=1.5 as a float must be in \(0, 1\]"),
-    ({"log_every_n_steps": 0}, r"log_every_n_steps must be >= 1, got 0"),
-    ({"max_steps": -5}, r"max_steps must be -1 \(no limit\) or >= 0, got -5"),
-    ({"ragged_batches": "pad"}, r"ragged_batches='pad'; choose 'error' or 'drop'"),
-    ({"fast_dev_run": -1}, r"fast_dev_run=-1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"limit_train_batches": 1.5}, r"limit_train_batches=1.5 as a float must be within \[0.0, 1.0\]"),
+        ({"limit_val_batches": -1}, r"limit_val_batches=-1 must be >= 0"),
+        ({"accumulate_grad_batches": 0}, r"accumulate_grad_batches must be an int >= 1, got 0"),
+        ({"gradient_clip_algorithm": "max"}, r"gradient_clip_algorithm='max'; choose 'norm' or 'value'"),
+        ({"gradient_clip_val": -1.0}, r"gradient_clip_val must be >= 0, got -1.0"),
+        ({"val_check_interval": 1.5}, r"val_check_interval=1.5 as a float must be in \(0, 1\]"),
+        ({"log_every_n_steps": 0}, r"log_every_n_steps must be >= 1, got 0"),
+        ({"max_steps": -5}, r"max_steps must be -1 \(no limit\) or >= 0, got -5"),
+        ({"ragged_batches": "pad"}, r"ragged_batches='pad'; choose 'error' or 'drop'"),
+        ({"fast_dev_run": -1}, r"fast_dev_run=-1 must be >= 0"),
+    ],
+)
 def test_bad_trainer_arguments(kw, message):
     with pytest.raises(jl.MisconfigurationError, match=message):
         jl.Trainer(**kw)

@@ -48,8 +48,15 @@ def hooked_model(called, data, **kw):
     """A Classifier recording its hooks, step methods and data/setup methods."""
     names = {n for n, _ in inspect.getmembers(ModelHooks, inspect.isfunction)}
     names |= {n for n, _ in inspect.getmembers(DataHooks, inspect.isfunction)}
-    names |= {"configure_model", "configure_optimizers", "configure_callbacks", "training_step",
-              "validation_step", "test_step", "predict_step"}
+    names |= {
+        "configure_model",
+        "configure_optimizers",
+        "configure_callbacks",
+        "training_step",
+        "validation_step",
+        "test_step",
+        "predict_step",
+    }
     ns = {}
     for name in names:
         base = getattr(Classifier, name)
@@ -71,9 +78,15 @@ def eval_epoch(fn, n, traced=True):
 
 
 def validation_run(n, traced):
-    return ["on_validation_model_eval", "Callback.on_validation_start", "on_validation_start",
-            *eval_epoch("validation", n, traced),
-            "Callback.on_validation_end", "on_validation_end", "on_validation_model_train"]
+    return [
+        "on_validation_model_eval",
+        "Callback.on_validation_start",
+        "on_validation_start",
+        *eval_epoch("validation", n, traced),
+        "Callback.on_validation_end",
+        "on_validation_end",
+        "on_validation_model_train",
+    ]
 
 
 @pytest.fixture
@@ -87,9 +100,17 @@ def test_fit_hook_order(data):
     monitor = hooked_callback(called, prefix="Monitor", _is_monitoring_callback=True)
     model = hooked_model(called, data[:2])
     # the monitoring callback is listed first but runs its on_train_epoch_end last, like ModelCheckpoint
-    trainer = jl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=2, num_sanity_val_steps=2,
-                         callbacks=[monitor, hooked_callback(called)], enable_progress_bar=False,
-                         enable_model_summary=False, logger=False, enable_checkpointing=False)
+    trainer = jl.Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=2,
+        callbacks=[monitor, hooked_callback(called)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(model)
     called = [c for c in called if not c.startswith("Monitor.") or c == "Monitor.on_train_epoch_end"]
 
@@ -99,19 +120,35 @@ def test_fit_hook_order(data):
         train += ["training_step"] if i == 0 else []
         train += ["Callback.on_train_batch_end", "on_train_batch_end"]
     expected = [
-        "configure_callbacks", "prepare_data", "Callback.setup", "setup",
-        "val_dataloader", "train_dataloader",
-        "configure_model", "configure_model", "configure_optimizers",
-        "Callback.on_fit_start", "on_fit_start",
-        "Callback.on_sanity_check_start", *validation_run(2, traced=True), "Callback.on_sanity_check_end",
-        "Callback.on_train_start", "on_train_start",
-        "Callback.on_train_epoch_start", "on_train_epoch_start",
+        "configure_callbacks",
+        "prepare_data",
+        "Callback.setup",
+        "setup",
+        "val_dataloader",
+        "train_dataloader",
+        "configure_model",
+        "configure_model",
+        "configure_optimizers",
+        "Callback.on_fit_start",
+        "on_fit_start",
+        "Callback.on_sanity_check_start",
+        *validation_run(2, traced=True),
+        "Callback.on_sanity_check_end",
+        "Callback.on_train_start",
+        "on_train_start",
+        "Callback.on_train_epoch_start",
+        "on_train_epoch_start",
         *train,
         *validation_run(2, traced=False),  # inside the epoch, after the last on_train_batch_end
-        "Callback.on_train_epoch_end", "on_train_epoch_end", "Monitor.on_train_epoch_end",
-        "Callback.on_train_end", "on_train_end",
-        "Callback.on_fit_end", "on_fit_end",
-        "Callback.teardown", "teardown",
+        "Callback.on_train_epoch_end",
+        "on_train_epoch_end",
+        "Monitor.on_train_epoch_end",
+        "Callback.on_train_end",
+        "on_train_end",
+        "Callback.on_fit_end",
+        "on_fit_end",
+        "Callback.teardown",
+        "teardown",
     ]
     assert called == expected
 
@@ -120,16 +157,31 @@ def test_fit_hook_order(data):
 def test_eval_hook_order(data, verb, noun, loader):
     called = []
     model = hooked_model(called, data[:2])
-    trainer = jl.Trainer(limit_val_batches=2, limit_test_batches=2, callbacks=[hooked_callback(called)],
-                         enable_progress_bar=False, enable_model_summary=False, logger=False)
+    trainer = jl.Trainer(
+        limit_val_batches=2,
+        limit_test_batches=2,
+        callbacks=[hooked_callback(called)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
     getattr(trainer, verb)(model, verbose=False)
     expected = [
-        "configure_callbacks", "prepare_data", "Callback.setup", "setup",
-        f"{loader}_dataloader", "configure_model", "configure_model",
-        f"on_{noun}_model_eval", f"Callback.on_{noun}_start", f"on_{noun}_start",
+        "configure_callbacks",
+        "prepare_data",
+        "Callback.setup",
+        "setup",
+        f"{loader}_dataloader",
+        "configure_model",
+        "configure_model",
+        f"on_{noun}_model_eval",
+        f"Callback.on_{noun}_start",
+        f"on_{noun}_start",
         *eval_epoch(noun, 2),
-        f"Callback.on_{noun}_end", f"on_{noun}_end",
-        "Callback.teardown", "teardown",
+        f"Callback.on_{noun}_end",
+        f"on_{noun}_end",
+        "Callback.teardown",
+        "teardown",
     ]
     assert called == expected
 
@@ -137,17 +189,31 @@ def test_eval_hook_order(data, verb, noun, loader):
 def test_predict_hook_order(data):
     called = []
     model = hooked_model(called, data[:2])
-    trainer = jl.Trainer(limit_predict_batches=2, callbacks=[hooked_callback(called)], enable_progress_bar=False,
-                         enable_model_summary=False, logger=False)
+    trainer = jl.Trainer(
+        limit_predict_batches=2,
+        callbacks=[hooked_callback(called)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
     preds = trainer.predict(model)
     assert len(preds) == 2
     expected = [
-        "configure_callbacks", "prepare_data", "Callback.setup", "setup",
-        "predict_dataloader", "configure_model", "configure_model",
-        "on_predict_model_eval", "Callback.on_predict_start", "on_predict_start",
+        "configure_callbacks",
+        "prepare_data",
+        "Callback.setup",
+        "setup",
+        "predict_dataloader",
+        "configure_model",
+        "configure_model",
+        "on_predict_model_eval",
+        "Callback.on_predict_start",
+        "on_predict_start",
         *eval_epoch("predict", 2),
-        "Callback.on_predict_end", "on_predict_end",
-        "Callback.teardown", "teardown",
+        "Callback.on_predict_end",
+        "on_predict_end",
+        "Callback.teardown",
+        "teardown",
     ]
     assert called == expected
 
@@ -191,8 +257,9 @@ def test_on_exception_called_callbacks_then_module(data):
     assert called == [("callback", "boom at 1"), ("module", "boom at 1")]
     assert trainer.global_step == 1
     # the module is left usable, holding the weights of the last completed step
-    np.testing.assert_array_equal(np.asarray(model.net.l1.kernel[...]),
-                                  np.asarray(trainer.train_state.params["net/l1/kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(model.net.l1.kernel[...]), np.asarray(trainer.train_state.params["net/l1/kernel"])
+    )
     assert model.net(jnp.asarray(data[0][0])).shape == (16, 4)
 
 

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 import jaxlight as jl
-from tests.core_models import EagerClassifier as Classifier, batches, make_data, quiet, xent
+from tests.core_models import EagerClassifier as Classifier
+from tests.core_models import batches, make_data, quiet, xent
 
 N, BS = 128, 16
 STEPS = N // BS  # 8 batches per epoch
@@ -90,9 +91,16 @@ def test_csv_logger_files_and_cadence(tmp_path):
     data = batches(x, y, BS)
     root = tmp_path / "root"
     every, epochs = 3, 2
-    trainer = jl.Trainer(max_epochs=epochs, log_every_n_steps=every, default_root_dir=str(root), logger=True,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0)
+    trainer = jl.Trainer(
+        max_epochs=epochs,
+        log_every_n_steps=every,
+        default_root_dir=str(root),
+        logger=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(Logs(lr=0.05), data, data[:2])
     log_dir = root / "lightning_logs" / "version_0"
     assert trainer.log_dir == str(log_dir)
@@ -106,7 +114,9 @@ def test_csv_logger_files_and_cadence(tmp_path):
     assert [int(r["step"]) for r in step_rows] == [s for s in range(total) if (s + 1) % every == 0]
     epoch_rows = [r for r in rows if r["loss_epoch"]]
     # epoch rows carry the step of the epoch's last batch, like Lightning's
-    assert [(int(r["step"]), float(r["epoch"])) for r in epoch_rows] == [(STEPS * e + STEPS - 1, e) for e in range(epochs)]
+    assert [(int(r["step"]), float(r["epoch"])) for r in epoch_rows] == [
+        (STEPS * e + STEPS - 1, e) for e in range(epochs)
+    ]
     val_rows = [r for r in rows if r["val_acc"]]
     assert len(val_rows) == epochs
     assert "bmin" not in rows[0]  # logger=False
@@ -116,8 +126,14 @@ def test_csv_logger_files_and_cadence(tmp_path):
     assert float(epoch_rows[-1]["loss_epoch"]) == pytest.approx(float(trainer.callback_metrics["loss_epoch"]))
 
     # a second run with the default logger takes the next version
-    trainer2 = jl.Trainer(max_epochs=1, default_root_dir=str(root), log_every_n_steps=1, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False)
+    trainer2 = jl.Trainer(
+        max_epochs=1,
+        default_root_dir=str(root),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer2.fit(Classifier(), data[:2])
     assert trainer2.log_dir == str(root / "lightning_logs" / "version_1")
     assert os.path.exists(root / "lightning_logs" / "version_1" / "metrics.csv")
@@ -126,8 +142,14 @@ def test_csv_logger_files_and_cadence(tmp_path):
 def test_two_csv_loggers_both_written(tmp_path):
     x, y = make_data(64)
     a, b = jl.loggers.CSVLogger(str(tmp_path / "a")), jl.loggers.CSVLogger(str(tmp_path / "b"), name="run")
-    trainer = jl.Trainer(max_epochs=1, log_every_n_steps=1, logger=[a, b], enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
+    trainer = jl.Trainer(
+        max_epochs=1,
+        log_every_n_steps=1,
+        logger=[a, b],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Classifier(), batches(x, y, 16))
     ra = read_csv(tmp_path / "a" / "lightning_logs" / "version_0" / "metrics.csv")
     rb = read_csv(tmp_path / "b" / "run" / "version_0" / "metrics.csv")

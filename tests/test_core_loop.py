@@ -6,7 +6,8 @@ import collections
 import pytest
 
 import jaxlight as jl
-from tests.core_models import EagerClassifier as Classifier, batches, make_data, quiet
+from tests.core_models import EagerClassifier as Classifier
+from tests.core_models import batches, make_data, quiet
 
 x, y = make_data(128)
 TRAIN = batches(x, y, 16)  # 8 batches
@@ -52,8 +53,9 @@ def run(**kw):
 @pytest.mark.parametrize(("fdr", "n"), [(True, 1), (3, 3)])
 def test_fast_dev_run(fdr, n):
     cb = Count()
-    trainer = jl.Trainer(fast_dev_run=fdr, callbacks=[cb], enable_progress_bar=False, max_epochs=5,
-                         num_sanity_val_steps=2)
+    trainer = jl.Trainer(
+        fast_dev_run=fdr, callbacks=[cb], enable_progress_bar=False, max_epochs=5, num_sanity_val_steps=2
+    )
     model = Classifier()
     trainer.fit(model, TRAIN, VAL)
     trainer.test(model, VAL, verbose=False)
@@ -73,8 +75,13 @@ def test_limit_train_batches(limit, n):
 
 @pytest.mark.parametrize(("limit", "n"), [(0.5, 2), (0, 0)])
 def test_limit_val_test_predict_batches(limit, n):
-    trainer, c = run(max_epochs=1, limit_val_batches=limit, limit_test_batches=limit,
-                     limit_predict_batches=limit, num_sanity_val_steps=-1)
+    trainer, c = run(
+        max_epochs=1,
+        limit_val_batches=limit,
+        limit_test_batches=limit,
+        limit_predict_batches=limit,
+        num_sanity_val_steps=-1,
+    )
     assert c["val"] == n and c["sanity"] == n
     model = trainer.lightning_module
     if n:

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 import jaxlight as jl
-from tests.core_models import EagerClassifier as Classifier, batches, hand_loop, make_data, max_diff, quiet
+from tests.core_models import EagerClassifier as Classifier
+from tests.core_models import batches, hand_loop, make_data, max_diff, quiet
 
 
 def fit_params(data, epochs=1, **trainer_kw):
@@ -37,10 +38,13 @@ def test_accumulation_and_max_steps_count_optimizer_steps():
     assert trainer._micro_batches == 24
 
 
-@pytest.mark.parametrize(("algorithm", "clip_val", "clip"), [
-    ("norm", 0.05, optax.clip_by_global_norm(0.05)),
-    ("value", 0.002, optax.clip(0.002)),
-])
+@pytest.mark.parametrize(
+    ("algorithm", "clip_val", "clip"),
+    [
+        ("norm", 0.05, optax.clip_by_global_norm(0.05)),
+        ("value", 0.002, optax.clip(0.002)),
+    ],
+)
 def test_gradient_clipping_equals_optax(algorithm, clip_val, clip):
     x, y = make_data(128)
     data = batches(x, y, 16)

@@ -10,7 +10,17 @@ from flax import linen as nn
 from flax import nnx
 
 import jaxlight as jl
-from tests.core_models import Classifier, EagerClassifier, batches, hand_loop, initial_state, make_data, max_diff, quiet, xent
+from tests.core_models import (
+    Classifier,
+    EagerClassifier,
+    batches,
+    hand_loop,
+    initial_state,
+    make_data,
+    max_diff,
+    quiet,
+    xent,
+)
 
 x, y = make_data(128)
 TRAIN = batches(x, y, 16)
@@ -81,8 +91,11 @@ def test_bf16_mixed_keeps_fp32_params_and_computes_in_bf16():
     trainer.fit(model, TRAIN)
     assert DtypeSpy.seen == {"x": jnp.bfloat16, "kernel": jnp.bfloat16, "logits": jnp.bfloat16}
     assert all(v.dtype == jnp.float32 for v in trainer.train_state.params.values())
-    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(trainer.train_state.opt_state)
-               if jnp.issubdtype(v.dtype, jnp.floating))
+    assert all(
+        v.dtype == jnp.float32
+        for v in jax.tree.leaves(trainer.train_state.opt_state)
+        if jnp.issubdtype(v.dtype, jnp.floating)
+    )
     assert model.net.l1.kernel[...].dtype == jnp.float32
     # the fp32 masters trained: close to the fp32 run, but not identical (bf16 forward)
     ref, _, _ = hand_loop(optax.adam(1e-2), TRAIN)
@@ -114,8 +127,9 @@ def test_references_to_a_module_created_before_fit_see_the_trained_values():
     assert model.net is net
     gd, _, rest = initial_state()
     ref_params, _, _ = hand_loop(optax.adam(1e-2), TRAIN)
-    np.testing.assert_allclose(np.asarray(net(jnp.asarray(x))),
-                               np.asarray(nnx.merge(gd, ref_params, rest)(jnp.asarray(x))), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(net(jnp.asarray(x))), np.asarray(nnx.merge(gd, ref_params, rest)(jnp.asarray(x))), atol=1e-5
+    )
 
 
 class LinenMLP(nn.Module):

@@ -13,11 +13,35 @@ from examples.models import stdlib_bytes
 
 
 def _args(*extra: str):
-    return parse_args([
-        "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch-size", "16",
-        "--batches-per-epoch", "10", "--val-batches", "2", "--data-bytes", "200000", "--lr", "1e-2",
-        "--warmup-steps", "2", "--log-every-n-steps", "5", "--out", "logs", *extra,
-    ])
+    return parse_args(
+        [
+            "--d-model",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "16",
+            "--batches-per-epoch",
+            "10",
+            "--val-batches",
+            "2",
+            "--data-bytes",
+            "200000",
+            "--lr",
+            "1e-2",
+            "--warmup-steps",
+            "2",
+            "--log-every-n-steps",
+            "5",
+            "--out",
+            "logs",
+            *extra,
+        ]
+    )
 
 
 def test_window_loader_is_deterministic_and_shifted():

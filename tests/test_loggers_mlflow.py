@@ -5,7 +5,7 @@ import math
 import pytest
 
 import jaxlight as jl
-from tests.core_models import Classifier, batches, make_data, quiet, csv_history
+from tests.core_models import Classifier, batches, csv_history, make_data, quiet
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -25,17 +25,24 @@ class NaNAtEpoch1(Classifier):
 
 
 def same(a, b):
-    return len(a) == len(b) and all(s1 == s2 and (v1 == v2 or (math.isnan(v1) and math.isnan(v2)))
-                                    for (s1, v1), (s2, v2) in zip(a, b))
+    return len(a) == len(b) and all(
+        s1 == s2 and (v1 == v2 or (math.isnan(v1) and math.isnan(v2))) for (s1, v1), (s2, v2) in zip(a, b)
+    )
 
 
 def test_mlflow_history_equals_csv_and_resume_keeps_the_run(tmp_path, uri):
     csv_logger = jl.loggers.CSVLogger("logs")
-    ml = jl.loggers.MLFlowLogger(experiment_name="exp", run_name="first", tracking_uri=uri,
-                                 artifact_location=str(tmp_path / "artifacts"))
+    ml = jl.loggers.MLFlowLogger(
+        experiment_name="exp", run_name="first", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts")
+    )
     ckpt = jl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)
-    trainer = jl.Trainer(max_epochs=2, devices=1, log_every_n_steps=2, callbacks=[ckpt],
-                         **quiet(logger=[csv_logger, ml], enable_checkpointing=True))
+    trainer = jl.Trainer(
+        max_epochs=2,
+        devices=1,
+        log_every_n_steps=2,
+        callbacks=[ckpt],
+        **quiet(logger=[csv_logger, ml], enable_checkpointing=True),
+    )
     model = NaNAtEpoch1(lr=0.02)
     trainer.fit(model, DATA, DATA)
 
@@ -52,9 +59,13 @@ def test_mlflow_history_equals_csv_and_resume_keeps_the_run(tmp_path, uri):
 
     # resume from the checkpoint with fresh loggers: the MLflow one continues the same run
     ml2 = jl.loggers.MLFlowLogger(experiment_name="exp", tracking_uri=uri)
-    trainer2 = jl.Trainer(max_epochs=3, devices=1, log_every_n_steps=2,
-                          callbacks=[jl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)],
-                          **quiet(logger=[jl.loggers.CSVLogger("logs"), ml2], enable_checkpointing=True))
+    trainer2 = jl.Trainer(
+        max_epochs=3,
+        devices=1,
+        log_every_n_steps=2,
+        callbacks=[jl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)],
+        **quiet(logger=[jl.loggers.CSVLogger("logs"), ml2], enable_checkpointing=True),
+    )
     trainer2.fit(NaNAtEpoch1(lr=0.02), DATA, DATA, ckpt_path="last")
     assert ml2.run_id == ml.run_id
     runs = client.search_runs([ml.experiment_id])

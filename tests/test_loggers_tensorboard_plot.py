@@ -11,7 +11,7 @@ import pytest
 import jaxlight as jl
 from jaxlight.cli import main as cli_main
 from jaxlight.plot import plot_metrics
-from tests.core_models import Classifier, batches, make_data, quiet, csv_history
+from tests.core_models import Classifier, batches, csv_history, make_data, quiet
 
 DATA = batches(*make_data(64), 16)
 
@@ -28,7 +28,8 @@ def run_dir(tmp_path_factory):
     csv_logger = jl.loggers.CSVLogger(root / "logs")
     tb = jl.loggers.TensorBoardLogger(root / "tb")
     jl.Trainer(max_epochs=2, devices=1, log_every_n_steps=2, **quiet(logger=[csv_logger, tb])).fit(
-        InfAtEpoch1(lr=0.05), DATA, DATA)
+        InfAtEpoch1(lr=0.05), DATA, DATA
+    )
     return root, csv_logger, tb
 
 
@@ -68,9 +69,11 @@ def test_plot_command_writes_one_png_per_metric(run_dir, tmp_path):
 
 
 def test_loggers_import_nothing_heavy():
-    code = ("import sys, jaxlight; jaxlight.loggers.WandbLogger(project='x'); "
-            "jaxlight.loggers.MLFlowLogger(tracking_uri='sqlite:///x.db'); jaxlight.loggers.TensorBoardLogger(); "
-            "import jaxlight.plot, jaxlight.cli; "
-            "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'matplotlib', 'torch') if m in sys.modules))")
+    code = (
+        "import sys, jaxlight; jaxlight.loggers.WandbLogger(project='x'); "
+        "jaxlight.loggers.MLFlowLogger(tracking_uri='sqlite:///x.db'); jaxlight.loggers.TensorBoardLogger(); "
+        "import jaxlight.plot, jaxlight.cli; "
+        "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'matplotlib', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

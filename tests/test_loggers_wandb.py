@@ -21,7 +21,8 @@ DATA = batches(*make_data(64), 16)
 
 def wandb_records(path):
     """Protobuf records of a .wandb file (LevelDB log format: 32 KiB blocks of checksum, length, type, data)."""
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     assert data[:4] == b":W&B", data[:7]
     pos, block, pending = 7, 32768, b""
     while pos + 7 <= len(data):
@@ -29,11 +30,11 @@ def wandb_records(path):
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             pos += left
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 1:  # FULL
             yield chunk
@@ -82,8 +83,9 @@ class NaNAtEpoch1(Classifier):
 
 def test_offline_run_holds_what_csv_holds(tmp_path):
     csv_logger = jl.loggers.CSVLogger("logs")
-    wb = jl.loggers.WandbLogger(project="jaxlight-test", name="offline-run", save_dir=str(tmp_path / "wb"),
-                                offline=True)
+    wb = jl.loggers.WandbLogger(
+        project="jaxlight-test", name="offline-run", save_dir=str(tmp_path / "wb"), offline=True
+    )
     trainer = jl.Trainer(max_epochs=2, devices=1, log_every_n_steps=2, **quiet(logger=[csv_logger, wb]))
     trainer.fit(NaNAtEpoch1(lr=0.03), DATA, DATA)
     run_id = wb.version

@@ -33,9 +33,17 @@ def _free_port() -> int:
 def _launch(tmp_path, nproc: int = 2, timeout: float = 400.0) -> list[dict]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "mp_worker.py"), str(i), str(nproc),
-                               str(port), str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "mp_worker.py"), str(i), str(nproc), str(port), str(tmp_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
     outs = []
     try:
         for p in procs:
@@ -64,8 +72,7 @@ def test_two_processes_train_like_one(tmp_path):
         cb = Losses()
         ref = jl.Trainer(strategy=strategy, devices=8, max_epochs=1, callbacks=[cb], **quiet())
         ref.fit(LM(), batches)
-        refs[strategy] = ([float(x) for x in cb.losses],
-                          {k: np.asarray(v) for k, v in ref.train_state.params.items()})
+        refs[strategy] = ([float(x) for x in cb.losses], {k: np.asarray(v) for k, v in ref.train_state.params.items()})
     for run, strategy, axis in (("ddp", "ddp", "data"), ("fsdp", "fsdp", "fsdp"), ("fsdp_global", "fsdp", "fsdp")):
         ref_losses, ref_params = refs[strategy]
         got = np.load(tmp_path / f"params_{run}.npz")

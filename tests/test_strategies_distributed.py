@@ -8,9 +8,24 @@ import pytest
 import jaxlight as jl
 from jaxlight.distributed import detect
 
-_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "MASTER_ADDR", "MASTER_PORT",
-         "WORLD_SIZE", "RANK", "NODE_RANK", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-         "SLURM_STEP_NODELIST", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "PMIX_SERVER_URI")
+_VARS = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "NODE_RANK",
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_STEP_NODELIST",
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_SERVER_URI",
+)
 
 
 @pytest.fixture

@@ -42,8 +42,9 @@ def _fit(strategy, devices, data, summary=False, ema=False, **lm):
     cb = Losses()
     model = LM(**lm)
     cbs = [cb, jl.callbacks.EMA(decay=0.9)] if ema else [cb]
-    trainer = jl.Trainer(max_epochs=1, devices=devices, strategy=strategy, callbacks=cbs,
-                         **quiet(enable_model_summary=summary))
+    trainer = jl.Trainer(
+        max_epochs=1, devices=devices, strategy=strategy, callbacks=cbs, **quiet(enable_model_summary=summary)
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer.fit(model, data)
@@ -55,8 +56,7 @@ def runs():
     data = token_batches(3, 64)
     res = {}
     for name, (strategy, devices) in CONFIGS.items():
-        res[name] = _fit(strategy, devices, data, summary=(name == "fsdp"), ema=(name == "fsdp+tp"),
-                         opt="adam+grad")
+        res[name] = _fit(strategy, devices, data, summary=(name == "fsdp"), ema=(name == "fsdp+tp"), opt="adam+grad")
     return res
 
 
@@ -124,14 +124,22 @@ def _first_grads(trainer) -> dict[str, np.ndarray]:
 
 
 def test_object_forms_equal_string_forms():
-    pairs = [("ddp", DataParallel()), ("auto", DataParallel()), ("fsdp", FSDP()), ("tp", TensorParallel()),
-             ("fsdp+tp", FSDP() + TensorParallel(2))]
+    pairs = [
+        ("ddp", DataParallel()),
+        ("auto", DataParallel()),
+        ("fsdp", FSDP()),
+        ("tp", TensorParallel()),
+        ("fsdp+tp", FSDP() + TensorParallel(2)),
+    ]
     for s, obj in pairs:
         a, b = resolve_strategy(s), obj
         assert a.mesh_shape(8) == b.mesh_shape(8), s
         assert (a.logical_rules, a.min_shard, a.tolerance) == (b.logical_rules, b.min_shard, b.tolerance)
-    assert resolve_strategy("fsdp+tp").mesh_shape(8) == {**{a: 1 for a in jl.strategies.MESH_AXES},
-                                                          "fsdp": 4, "tensor": 2}
+    assert resolve_strategy("fsdp+tp").mesh_shape(8) == {
+        **dict.fromkeys(jl.strategies.MESH_AXES, 1),
+        "fsdp": 4,
+        "tensor": 2,
+    }
 
 
 # ---------------------------------------------------------------- optimizer state placement
@@ -206,7 +214,7 @@ def test_tensor_parallel_halves_the_widths_it_splits(runs):
     for k, v in tp.train_state.params.items():
         spec = tuple(v.sharding.spec) + (None,) * (v.ndim - len(v.sharding.spec))
         shard = v.addressable_shards[0].data.shape
-        for dim, (axis, n, full) in enumerate(zip(spec, shard, v.shape)):
+        for _dim, (axis, n, full) in enumerate(zip(spec, shard, v.shape)):
             assert n == (full // 2 if axis == "tensor" else full), (k, spec, shard)
         split += "tensor" in spec
     assert split == _n_weights(tp) == 8  # 6 kernels per block, embedding table and head
@@ -237,8 +245,10 @@ def test_fit_prints_mesh_and_per_device_bytes(runs):
 
 
 # ---------------------------------------------------------------- communication
-_OP = re.compile(r"\n\s*%?\S+ = (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                 r"(?:-start)?\(")
+_OP = re.compile(
+    r"\n\s*%?\S+ = (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
 
 
 def _collectives(trainer) -> list[tuple[str, str]]:
@@ -282,8 +292,11 @@ def test_fsdp_gathers_parameters_and_reduce_scatters_gradients(runs):
 def test_tensor_parallel_gathers_no_whole_weight(runs):
     trainer = runs["tp"][0]
     ops = _collectives(trainer)
-    split_shapes = {f"f32[{','.join(map(str, v.shape))}]" for v in trainer.train_state.params.values()
-                    if not v.sharding.is_fully_replicated}
+    split_shapes = {
+        f"f32[{','.join(map(str, v.shape))}]"
+        for v in trainer.train_state.params.values()
+        if not v.sharding.is_fully_replicated
+    }
     assert split_shapes == {WEIGHT}
     for op, shape in ops:
         if op in ("all-gather", "all-reduce"):

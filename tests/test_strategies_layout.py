@@ -44,8 +44,9 @@ def test_resolve_spec_falls_back_and_never_reuses_an_axis():
     # a dim the axis doesn't divide stays whole (then the next name gets the axis)
     assert resolve_spec(("embed", "mlp"), (12, 512), DEFAULT_RULES, MESH8) == (None, "fsdp")
     # batch rows: data and fsdp together, never tensor
-    assert resolve_spec(("batch", "length", "embed"), (64, 8, 256), DEFAULT_RULES,
-                        {**MESH8, "data": 2, "fsdp": 2, "tensor": 2}) == (("data", "fsdp"),)
+    assert resolve_spec(
+        ("batch", "length", "embed"), (64, 8, 256), DEFAULT_RULES, {**MESH8, "data": 2, "fsdp": 2, "tensor": 2}
+    ) == (("data", "fsdp"),)
     # "kv" is explicitly whole
     assert resolve_spec(("kv",), (64,), DEFAULT_RULES, {**MESH8, "tensor": 8}) == ()
 
@@ -54,8 +55,7 @@ def test_user_rules_override_defaults():
     s = FSDP(rules={"embed": None})
     assert resolve_spec(("embed", "mlp"), (256, 512), s.logical_rules, MESH8) == (None, "fsdp")
     s = TensorParallel(rules=[("embed", "tensor")])
-    assert resolve_spec(("embed", "mlp"), (256, 512), s.logical_rules, {**MESH8, "fsdp": 1, "tensor": 8}) == (
-        "tensor",)
+    assert resolve_spec(("embed", "mlp"), (256, 512), s.logical_rules, {**MESH8, "fsdp": 1, "tensor": 8}) == ("tensor",)
     with pytest.raises(ValueError, match="mesh axis 'model'.*mesh axes are"):
         FSDP(rules={"embed": "model"})
 
@@ -84,8 +84,11 @@ def test_composition_and_registry():
 
 def test_later_strategies_slot_into_strings(monkeypatch):
     """A later issue's "sp" registers a factory and composes in strings like "fsdp+tp+sp"."""
-    monkeypatch.setitem(STRATEGY_REGISTRY, "sp_test", lambda: Strategy(axes={"sequence": 2}, name="sp_test",
-                                                                       options={"attention": "ring"}))
+    monkeypatch.setitem(
+        STRATEGY_REGISTRY,
+        "sp_test",
+        lambda: Strategy(axes={"sequence": 2}, name="sp_test", options={"attention": "ring"}),
+    )
     s = resolve_strategy("fsdp+tp+sp_test")
     assert s.name == "fsdp+tp+sp_test" and s.options == {"attention": "ring"}
     assert {k: v for k, v in s.mesh_shape(8).items() if v > 1} == {"fsdp": 2, "tensor": 2, "sequence": 2}
@@ -147,8 +150,11 @@ def test_batch_rows_split_over_batch_axes_never_tensor():
 @pytest.mark.parametrize("axis", ["data", "sequence"])
 def test_rule_putting_a_parameter_on_a_batch_axis_is_refused(axis):
     trainer = jl.Trainer(strategy=FSDP(rules={"mlp": axis}), devices=8, max_steps=1, **quiet())
-    with pytest.raises(LayoutError, match=rf"rule 'mlp' -> '{axis}' would place parameter net/blocks/0/\S+ "
-                                          rf"\(32, 32\) \(logical axes \('mlp', 'embed'\)\).*may not use"):
+    with pytest.raises(
+        LayoutError,
+        match=rf"rule 'mlp' -> '{axis}' would place parameter net/blocks/0/\S+ "
+        rf"\(32, 32\) \(logical axes \('mlp', 'embed'\)\).*may not use",
+    ):
         trainer.fit(LM(embed=32, mlp=32, vocab=32, heads=2), token_batches(1, 8, vocab=32))
 
 
@@ -198,7 +204,8 @@ def test_tolerance_is_the_threshold_and_tp_does_not_guess():
     # tensor parallelism never guesses a split: unannotated weights stay whole, and the guardrail says so
     with pytest.raises(LayoutError, match=r"'tp' on mesh \{tensor=8\} leaves 100.0%"):
         jl.Trainer(strategy=TensorParallel(8, min_shard=1000), devices=8, max_steps=1, **quiet()).fit(
-            Unannotated(64), data64)
+            Unannotated(64), data64
+        )
     # raising the tolerance accepts the same unshardable layout (replicated, as the user asked)
     ok = jl.Trainer(strategy=FSDP(min_shard=1000, tolerance=1.0), devices=8, max_steps=1, **quiet())
     ok.fit(Unannotated(300), [{"x": np.ones((8, 300), np.float32)}])

@@ -32,10 +32,20 @@ class EarlyStopping(Callback):
     mode_dict = {"min": operator.lt, "max": operator.gt}
     order_dict = {"min": "<", "max": ">"}
 
-    def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
-                 mode: str = "min", strict: bool = True, check_finite: bool = True,
-                 stopping_threshold: float | None = None, divergence_threshold: float | None = None,
-                 check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False) -> None:
+    def __init__(
+        self,
+        monitor: str,
+        min_delta: float = 0.0,
+        patience: int = 3,
+        verbose: bool = False,
+        mode: str = "min",
+        strict: bool = True,
+        check_finite: bool = True,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        check_on_train_epoch_end: bool | None = None,
+        log_rank_zero_only: bool = False,
+    ) -> None:
         if mode not in self.mode_dict:
             raise ValueError(f"EarlyStopping mode={mode!r}; choose one of {list(self.mode_dict)}")
         if patience < 0:
@@ -66,12 +76,15 @@ class EarlyStopping(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._check_on_train_epoch_end is None:
             # validation more than once per epoch, or not every epoch: check after each validation instead
-            self._check_on_train_epoch_end = (trainer.val_check_interval == 1.0
-                                              and trainer.check_val_every_n_epoch == 1)
+            self._check_on_train_epoch_end = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch,
-                "best_score": float(self.best_score), "patience": self.patience}
+        return {
+            "wait_count": self.wait_count,
+            "stopped_epoch": self.stopped_epoch,
+            "best_score": float(self.best_score),
+            "patience": self.patience,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = int(state_dict["wait_count"])
@@ -94,8 +107,10 @@ class EarlyStopping(Callback):
 
     def _validate_condition_metric(self, logs: dict[str, Any]) -> bool:
         if logs.get(self.monitor) is None:
-            msg = (f"Early stopping conditioned on metric `{self.monitor}` which is not available. Pass in or modify "
-                   f"your `EarlyStopping` callback to use any of the following: `{'`, `'.join(logs)}`")
+            msg = (
+                f"Early stopping conditioned on metric `{self.monitor}` which is not available. Pass in or modify "
+                f"your `EarlyStopping` callback to use any of the following: `{'`, `'.join(logs)}`"
+            )
             if self.strict:
                 raise RuntimeError(msg)
             if self.verbose:
@@ -119,16 +134,22 @@ class EarlyStopping(Callback):
         should_stop, reason = False, None
         if self.check_finite and not math.isfinite(current):
             should_stop = True
-            reason = (f"Monitored metric {self.monitor} = {current} is not finite. Previous best value was "
-                      f"{self.best_score:.3f}. Signaling Trainer to stop.")
+            reason = (
+                f"Monitored metric {self.monitor} = {current} is not finite. Previous best value was "
+                f"{self.best_score:.3f}. Signaling Trainer to stop."
+            )
         elif self.stopping_threshold is not None and self.monitor_op(current, self.stopping_threshold):
             should_stop = True
-            reason = (f"Stopping threshold reached: {self.monitor} = {current} {self.order_dict[self.mode]} "
-                      f"{self.stopping_threshold}. Signaling Trainer to stop.")
+            reason = (
+                f"Stopping threshold reached: {self.monitor} = {current} {self.order_dict[self.mode]} "
+                f"{self.stopping_threshold}. Signaling Trainer to stop."
+            )
         elif self.divergence_threshold is not None and self.monitor_op(-current, -self.divergence_threshold):
             should_stop = True
-            reason = (f"Divergence threshold reached: {self.monitor} = {current} {self.order_dict[self.mode]} "
-                      f"{self.divergence_threshold}. Signaling Trainer to stop.")
+            reason = (
+                f"Divergence threshold reached: {self.monitor} = {current} {self.order_dict[self.mode]} "
+                f"{self.divergence_threshold}. Signaling Trainer to stop."
+            )
         elif self.monitor_op(current - self.min_delta, self.best_score):
             reason = self._improvement_message(current)
             self.best_score = current
@@ -137,12 +158,16 @@ class EarlyStopping(Callback):
             self.wait_count += 1
             if self.wait_count >= self.patience:
                 should_stop = True
-                reason = (f"Monitored metric {self.monitor} did not improve in the last {self.wait_count} records. "
-                          f"Best score: {self.best_score:.3f}. Signaling Trainer to stop.")
+                reason = (
+                    f"Monitored metric {self.monitor} did not improve in the last {self.wait_count} records. "
+                    f"Best score: {self.best_score:.3f}. Signaling Trainer to stop."
+                )
         return should_stop, reason
 
     def _improvement_message(self, current: float) -> str:
         if math.isfinite(self.best_score):
-            return (f"Metric {self.monitor} improved by {abs(self.best_score - current):.3f} >= "
-                    f"min_delta = {abs(self.min_delta)}. New best score: {current:.3f}")
+            return (
+                f"Metric {self.monitor} improved by {abs(self.best_score - current):.3f} >= "
+                f"min_delta = {abs(self.min_delta)}. New best score: {current:.3f}"
+            )
         return f"Metric {self.monitor} improved. New best score: {current:.3f}"

@@ -42,8 +42,14 @@ class EMA(Callback):
     :meth:`ema_params`).
     """
 
-    def __init__(self, decay: float = 0.999, warmup: bool = True, every_n_steps: int = 1,
-                 use_for_validation: bool = True, name: str = "ema") -> None:
+    def __init__(
+        self,
+        decay: float = 0.999,
+        warmup: bool = True,
+        every_n_steps: int = 1,
+        use_for_validation: bool = True,
+        name: str = "ema",
+    ) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:

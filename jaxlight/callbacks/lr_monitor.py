@@ -11,11 +11,21 @@ from jaxlight.callbacks.callback import Callback
 
 # optax state classes -> the optimizer name Lightning would print ("lr-Adam")
 _STATE_NAMES = {
-    "ScaleByAdamState": "Adam", "ScaleByAdaDeltaState": "Adadelta", "ScaleByRmsState": "RMSprop",
-    "ScaleByRStdDevState": "RMSprop", "ScaleByLionState": "Lion", "ScaleByAdafactorState": "Adafactor",
-    "FactoredState": "Adafactor", "ScaleByAmsgradState": "AMSGrad", "ScaleByBeliefState": "AdaBelief",
-    "ScaleByNovogradState": "Novograd", "ScaleByLBFGSState": "LBFGS", "TraceState": "SGD",
-    "ScaleBySM3State": "SM3", "ScaleByYogiState": "Yogi", "ScaleByMuonState": "Muon",
+    "ScaleByAdamState": "Adam",
+    "ScaleByAdaDeltaState": "Adadelta",
+    "ScaleByRmsState": "RMSprop",
+    "ScaleByRStdDevState": "RMSprop",
+    "ScaleByLionState": "Lion",
+    "ScaleByAdafactorState": "Adafactor",
+    "FactoredState": "Adafactor",
+    "ScaleByAmsgradState": "AMSGrad",
+    "ScaleByBeliefState": "AdaBelief",
+    "ScaleByNovogradState": "Novograd",
+    "ScaleByLBFGSState": "LBFGS",
+    "TraceState": "SGD",
+    "ScaleBySM3State": "SM3",
+    "ScaleByYogiState": "Yogi",
+    "ScaleByMuonState": "Muon",
 }
 
 
@@ -66,13 +76,16 @@ class LearningRateMonitor(Callback):
     kept in ``self.lrs``. Nothing here syncs with the device per step.
     """
 
-    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
-                 log_weight_decay: bool = False) -> None:
+    def __init__(
+        self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
+    ) -> None:
         if logging_interval not in (None, "step", "epoch"):
             raise ValueError(f"logging_interval={logging_interval!r}; choose None, 'step' or 'epoch'")
         if log_momentum or log_weight_decay:
-            raise ValueError("LearningRateMonitor: log_momentum/log_weight_decay are not supported for optax "
-                             "optimizers (their values are not exposed); log them with self.log instead")
+            raise ValueError(
+                "LearningRateMonitor: log_momentum/log_weight_decay are not supported for optax "
+                "optimizers (their values are not exposed); log them with self.log instead"
+            )
         self.logging_interval = logging_interval
         self.lrs: dict[str, list[float]] = {}
         self._names: list[str] = []
@@ -87,7 +100,8 @@ class LearningRateMonitor(Callback):
                 "LearningRateMonitor cannot read the learning rate: configure_optimizers returned an optax "
                 "transformation with a fixed learning rate. Return {'optimizer': tx, 'lr_scheduler': schedule} "
                 "(an optax schedule, e.g. optax.constant_schedule(1e-3)) or build the optimizer with "
-                "optax.inject_hyperparams(optax.adam)(learning_rate=...)")
+                "optax.inject_hyperparams(optax.adam)(learning_rate=...)"
+            )
         base = "lr-" + optimizer_name(trainer.train_state.opt_state)
         n = max(n_sched, n_inj)
         self._names = [base] if n == 1 else [f"{base}/pg{i + 1}" for i in range(n)]

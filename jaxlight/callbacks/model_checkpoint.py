@@ -7,8 +7,9 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -70,15 +71,18 @@ class ModelCheckpoint(Callback):
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
         if monitor is None and save_top_k not in (-1, 0, 1):
-            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not valid: without a "
-                             f"monitored quantity there is no order to keep the top {save_top_k} by")
+            raise ValueError(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not valid: without a "
+                f"monitored quantity there is no order to keep the top {save_top_k} by"
+            )
         for name, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an int >= 0")
         if sum(bool(v) for v in (every_n_train_steps, every_n_epochs, train_time_interval)) > 1:
             raise ValueError(
                 f"every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs} and "
-                f"train_time_interval={train_time_interval} are mutually exclusive; set one of them")
+                f"train_time_interval={train_time_interval} are mutually exclusive; set one of them"
+            )
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ValueError(f"train_time_interval must be a datetime.timedelta, got {train_time_interval!r}")
         self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
@@ -106,7 +110,7 @@ class ModelCheckpoint(Callback):
         self.best_model_path = ""
         self.last_model_path = ""
         self.current_score: float | None = None
-        self._newest_path = ""           # the most recent checkpoint written (what last.ckpt points at)
+        self._newest_path = ""  # the most recent checkpoint written (what last.ckpt points at)
         self._last_global_step_saved = 0  # Lightning: nothing to save before the first step
         self._last_progress_saved: tuple[int, int] | None = None
         self._last_time_check: float | None = None
@@ -117,10 +121,13 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ identity
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(monitor=self.monitor, mode=self.mode,
-                                        every_n_train_steps=self._every_n_train_steps,
-                                        every_n_epochs=self._every_n_epochs,
-                                        train_time_interval=self._train_time_interval)
+        return self._generate_state_key(
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self._every_n_train_steps,
+            every_n_epochs=self._every_n_epochs,
+            train_time_interval=self._train_time_interval,
+        )
 
     @property
     def every_n_train_steps(self) -> int:
@@ -135,17 +142,17 @@ class ModelCheckpoint(Callback):
         return self._train_time_interval
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = self._broadcast(trainer, self._default_dirpath(trainer))
 
-    def _default_dirpath(self, trainer: "Trainer") -> str:
+    def _default_dirpath(self, trainer: Trainer) -> str:
         if trainer.loggers:
             return os.path.abspath(os.path.join(trainer.log_dir, "checkpoints"))
         return os.path.abspath(os.path.join(trainer.default_root_dir, "checkpoints"))
 
     @staticmethod
-    def _broadcast(trainer: "Trainer", value: str) -> str:
+    def _broadcast(trainer: Trainer, value: str) -> str:
         """Process 0's value on every process (a versioned log dir may differ per process)."""
         if jax.process_count() == 1:
             return value
@@ -160,11 +167,15 @@ class ModelCheckpoint(Callback):
         return client.blocking_key_value_get(key, 300_000)
 
     # ------------------------------------------------------------------ triggers (Lightning's)
-    def _should_skip_saving_checkpoint(self, trainer: "Trainer") -> bool:
-        return bool(trainer.fast_dev_run or not trainer.training or trainer.sanity_checking
-                    or self._last_global_step_saved == trainer.global_step)
+    def _should_skip_saving_checkpoint(self, trainer: Trainer) -> bool:
+        return bool(
+            trainer.fast_dev_run
+            or not trainer.training
+            or trainer.sanity_checking
+            or self._last_global_step_saved == trainer.global_step
+        )
 
-    def _should_save_on_train_epoch_end(self, trainer: "Trainer") -> bool:
+    def _should_save_on_train_epoch_end(self, trainer: Trainer) -> bool:
         if self._save_on_train_epoch_end is not None:
             return self._save_on_train_epoch_end
         if trainer.check_val_every_n_epoch != 1:
@@ -173,7 +184,7 @@ class ModelCheckpoint(Callback):
             return True
         return trainer.val_check_interval == 1.0
 
-    def on_train_batch_end(self, trainer: "Trainer", pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._run_pending()
         if self._should_skip_saving_checkpoint(trainer):
             return
@@ -191,25 +202,25 @@ class ModelCheckpoint(Callback):
             return
         self._save(trainer)
 
-    def on_train_epoch_end(self, trainer: "Trainer", pl_module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not self._should_skip_saving_checkpoint(trainer) and self._should_save_on_train_epoch_end(trainer):
             if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
                 self._save(trainer)
 
-    def on_validation_end(self, trainer: "Trainer", pl_module: Any) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not self._should_skip_saving_checkpoint(trainer) and not self._should_save_on_train_epoch_end(trainer):
             if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
                 self._save(trainer)
 
-    def on_exception(self, trainer: "Trainer", pl_module: Any, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
         # let an in-flight save commit: it is the run's newest complete state
         self.wait_until_finished()
 
-    def teardown(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         self.wait_until_finished()
 
     @staticmethod
-    def _agree(trainer: "Trainer", flag: bool) -> bool:
+    def _agree(trainer: Trainer, flag: bool) -> bool:
         """Process 0's decision (clocks differ between processes; every process must save together)."""
         if jax.process_count() == 1:
             return flag
@@ -220,8 +231,9 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------ names
     @classmethod
-    def _format_checkpoint_name(cls, filename: str | None, metrics: dict[str, Any], prefix: str = "",
-                                auto_insert_metric_name: bool = True) -> str:
+    def _format_checkpoint_name(
+        cls, filename: str | None, metrics: dict[str, Any], prefix: str = "", auto_insert_metric_name: bool = True
+    ) -> str:
         if not filename:
             filename = "{epoch}" + cls.CHECKPOINT_JOIN_CHAR + "{step}"
         groups = re.findall(r"(\{.*?)[:\}]", filename)
@@ -241,8 +253,9 @@ class ModelCheckpoint(Callback):
             filename = cls.CHECKPOINT_JOIN_CHAR.join([prefix, filename])
         return filename
 
-    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None,
-                               ver: int | None = None) -> str:
+    def format_checkpoint_name(
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+    ) -> str:
         """The path a checkpoint with these metric values is written to."""
         filename = filename or self.filename
         name = self._format_checkpoint_name(filename, metrics, auto_insert_metric_name=self.auto_insert_metric_name)
@@ -251,9 +264,9 @@ class ModelCheckpoint(Callback):
         assert self.dirpath is not None
         return os.path.join(self.dirpath, name + self.FILE_EXTENSION)
 
-    def _monitor_candidates(self, trainer: "Trainer") -> dict[str, Any]:
+    def _monitor_candidates(self, trainer: Trainer) -> dict[str, Any]:
         """Host values of what the filename and monitor need (fetched only those: no full sync)."""
-        names = set(n[1:] for n in re.findall(r"(\{.*?)[:\}]", self.filename or ""))
+        names = {n[1:] for n in re.findall(r"(\{.*?)[:\}]", self.filename or "")}
         if self.monitor is not None:
             names.add(self.monitor)
         out: dict[str, Any] = {}
@@ -284,7 +297,7 @@ class ModelCheckpoint(Callback):
         return any(f.startswith(name + ".orbax-checkpoint-tmp") for f in os.listdir(d))
 
     # ------------------------------------------------------------------ top-k bookkeeping
-    def check_monitor_top_k(self, trainer: "Trainer", current: float | None = None) -> bool:
+    def check_monitor_top_k(self, trainer: Trainer, current: float | None = None) -> bool:
         if current is None:
             return False
         if self.save_top_k == -1:
@@ -318,7 +331,9 @@ class ModelCheckpoint(Callback):
         return keep
 
     # ------------------------------------------------------------------ saving
-    def _save(self, trainer: "Trainer", *, force: bool = False, sync: bool = False, reason: str = "periodic") -> str | None:
+    def _save(
+        self, trainer: Trainer, *, force: bool = False, sync: bool = False, reason: str = "periodic"
+    ) -> str | None:
         """One trigger: decide which files this save is, write it, schedule the clean-up after commit."""
         self._run_pending()
         candidates = self._monitor_candidates(trainer)
@@ -330,9 +345,11 @@ class ModelCheckpoint(Callback):
             else:
                 current = candidates.get(self.monitor)
                 if current is None:
-                    msg = (f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored key in the "
-                           f"logged metrics: {sorted(trainer.callback_metrics)}. HINT: did you call "
-                           f"self.log({self.monitor!r}, value) in the LightningModule?")
+                    msg = (
+                        f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored key in the "
+                        f"logged metrics: {sorted(trainer.callback_metrics)}. HINT: did you call "
+                        f"self.log({self.monitor!r}, value) in the LightningModule?"
+                    )
                     if trainer.num_val_batches and not force:
                         raise ValueError(msg)
                     if trainer.is_global_zero and not force:
@@ -345,8 +362,10 @@ class ModelCheckpoint(Callback):
         if not (keep_top or self.save_last or force):
             self._last_global_step_saved = trainer.global_step
             if self.verbose and trainer.is_global_zero and current is not None:
-                print(f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {self.monitor!r} "
-                      f"was not in top {self.save_top_k}")
+                print(
+                    f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {self.monitor!r} "
+                    f"was not in top {self.save_top_k}"
+                )
             return None
         filepath = self._unique_path(self.format_checkpoint_name(candidates))
         drop: set[str] = set()
@@ -357,9 +376,11 @@ class ModelCheckpoint(Callback):
             if evicted:
                 drop.add(evicted)
             if self.verbose and trainer.is_global_zero:
-                print(f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {self.monitor!r} "
-                      f"reached {current:.5f} (best {self.best_model_score:.5f}, was {prev_best}), saving model "
-                      f"to {filepath!r} as top {self.save_top_k}")
+                print(
+                    f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {self.monitor!r} "
+                    f"reached {current:.5f} (best {self.best_model_score:.5f}, was {prev_best}), saving model "
+                    f"to {filepath!r} as top {self.save_top_k}"
+                )
         elif keep_top:  # no monitor: the newest is the "best"; top_k=1 keeps only it, -1 keeps all
             if self.save_top_k == 1 and self.best_model_path:
                 drop.add(self.best_model_path)
@@ -384,19 +405,20 @@ class ModelCheckpoint(Callback):
             self._run_pending()
         return filepath
 
-    def _write(self, trainer: "Trainer", filepath: str, *, sync: bool, reason: str) -> None:
+    def _write(self, trainer: Trainer, filepath: str, *, sync: bool, reason: str) -> None:
         from jaxlight.checkpoint import _new_checkpointer, save_checkpoint
 
         if self._checkpointer is None:
             self._checkpointer = _new_checkpointer(async_=self.async_save)
         if trainer.is_global_zero:
             os.makedirs(os.path.dirname(filepath), exist_ok=True)
-        save_checkpoint(trainer, filepath, weights_only=self.save_weights_only, checkpointer=self._checkpointer,
-                        reason=reason)
+        save_checkpoint(
+            trainer, filepath, weights_only=self.save_weights_only, checkpointer=self._checkpointer, reason=reason
+        )
         if sync and hasattr(self._checkpointer, "wait_until_finished"):
             self._checkpointer.wait_until_finished()
 
-    def _after_commit(self, trainer: "Trainer", drop: set[str], link_to: str | None) -> None:
+    def _after_commit(self, trainer: Trainer, drop: set[str], link_to: str | None) -> None:
         if not trainer.is_global_zero:
             return
         if link_to is not None:
@@ -434,7 +456,7 @@ class ModelCheckpoint(Callback):
             ck.check_for_errors()
         self._run_pending()
 
-    def save_now(self, trainer: "Trainer", reason: str = "preemption") -> str | None:
+    def save_now(self, trainer: Trainer, reason: str = "preemption") -> str | None:
         """Write the current state synchronously (unless this exact point is already saved) and wait.
 
         Used by :class:`jaxlight.callbacks.Preemption`; returns the checkpoint path.
@@ -467,8 +489,10 @@ class ModelCheckpoint(Callback):
         self._last_global_step_saved = state_dict.get("last_global_step_saved", self._last_global_step_saved)
         if state_dict.get("dirpath") != self.dirpath:
             if self.verbose:
-                print(f"jaxlight: ModelCheckpoint dirpath changed from {state_dict.get('dirpath')} to "
-                      f"{self.dirpath}; only best_model_path is restored")
+                print(
+                    f"jaxlight: ModelCheckpoint dirpath changed from {state_dict.get('dirpath')} to "
+                    f"{self.dirpath}; only best_model_path is restored"
+                )
             self.best_model_path = state_dict.get("best_model_path", "")
             return
         self.best_model_score = state_dict.get("best_model_score")

@@ -23,8 +23,9 @@ def summary_rows(params: dict[str, Any], module_types: dict[str, str], max_depth
         depth = len(parts) if max_depth < 0 else min(max_depth, len(parts))
         for d in range(1, depth + 1):
             name = "/".join(parts[:d])
-            row = rows.setdefault(name, {"name": name, "type": module_types.get(name, ""), "params": 0,
-                                         "arrays": [], "sharding": set()})
+            row = rows.setdefault(
+                name, {"name": name, "type": module_types.get(name, ""), "params": 0, "arrays": [], "sharding": set()}
+            )
             row["params"] += int(np.prod(arr.shape))
             row["arrays"].append(arr)
             spec = getattr(getattr(arr, "sharding", None), "spec", None)
@@ -32,9 +33,15 @@ def summary_rows(params: dict[str, Any], module_types: dict[str, str], max_depth
                 row["sharding"].add(str(spec))
     out = []
     for row in rows.values():
-        out.append({"name": row["name"], "type": row["type"], "params": row["params"],
-                    "bytes_per_device": per_device_bytes(row.pop("arrays")),
-                    "sharding": sorted(row["sharding"])})
+        out.append(
+            {
+                "name": row["name"],
+                "type": row["type"],
+                "params": row["params"],
+                "bytes_per_device": per_device_bytes(row.pop("arrays")),
+                "sharding": sorted(row["sharding"]),
+            }
+        )
     return out
 
 
@@ -73,8 +80,9 @@ class ModelSummary(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and not trainer.enable_model_summary:
-            raise ValueError("Trainer was configured with enable_model_summary=False but found ModelSummary in "
-                             "the callbacks list")
+            raise ValueError(
+                "Trainer was configured with enable_model_summary=False but found ModelSummary in the callbacks list"
+            )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.is_global_zero or trainer.train_state is None:
@@ -88,8 +96,16 @@ class ModelSummary(Callback):
         self.rows = summary_rows(params, _module_types(trainer), self.max_depth) if self.max_depth != 0 else []
         table = [("", "Name", "Type", "Params", "Bytes/device", "Sharding")]
         for i, r in enumerate(self.rows):
-            table.append((str(i), r["name"], r["type"], fmt_count(r["params"]), fmt_bytes(r["bytes_per_device"]),
-                          ", ".join(r["sharding"])))
+            table.append(
+                (
+                    str(i),
+                    r["name"],
+                    r["type"],
+                    fmt_count(r["params"]),
+                    fmt_bytes(r["bytes_per_device"]),
+                    ", ".join(r["sharding"]),
+                )
+            )
         lines = []
         if len(table) > 1:
             widths = [max(len(t[c]) for t in table) for c in range(len(table[0]))]

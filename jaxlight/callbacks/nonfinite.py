@@ -93,10 +93,16 @@ class NonFiniteGuard(Callback):
             if self.action == "skip":
                 self.skipped.append(step)
                 if self.verbose:
-                    print(f"NonFiniteGuard: non-finite {what} at step {step} (epoch {epoch}, batch {idx}); "
-                          f"the update was skipped")
+                    print(
+                        f"NonFiniteGuard: non-finite {what} at step {step} (epoch {epoch}, batch {idx}); "
+                        f"the update was skipped"
+                    )
                 continue
             self._pending.clear()
             raise NonFiniteError(
                 f"Non-finite {what} at step {step} (epoch {epoch}, batch {idx}); stopping. Use "
-                f"NonFiniteGuard(action='skip') to drop such updates instead.", step, epoch, idx)
+                f"NonFiniteGuard(action='skip') to drop such updates instead.",
+                step,
+                epoch,
+                idx,
+            )

@@ -25,6 +25,7 @@ _KV_TIMEOUT_MS = 300_000
 
 _FIT_COUNTER = itertools.count(1)
 
+
 class Preemption(Callback):
     """Stops ``fit`` cleanly when a preemption signal arrives (on by default).
 
@@ -53,9 +54,9 @@ class Preemption(Callback):
                 raise ValueError(f"signal {signal.Signals(s).name} cannot be caught")
         self.signals = sigs
         self.verbose = verbose
-        self.received: int | None = None    # the first signal caught (set by the handler, nothing else)
+        self.received: int | None = None  # the first signal caught (set by the handler, nothing else)
         self._previous: dict[int, Any] = {}
-        self._stop_at: int | None = None    # agreed micro-batch count to stop after
+        self._stop_at: int | None = None  # agreed micro-batch count to stop after
         self._announced = False
         self._ns = ""
 
@@ -72,7 +73,7 @@ class Preemption(Callback):
         if self.received is None:
             self.received = signum
 
-    def setup(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
         self.received, self._stop_at, self._announced = None, None, False
@@ -86,13 +87,13 @@ class Preemption(Callback):
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
 
-    def teardown(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         self._previous = {}
 
     # ------------------------------------------------------------------ the stop point
-    def on_train_batch_end(self, trainer: "Trainer", pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if jax.process_count() == 1:
             if self.received is not None:
                 self._stop(trainer)
@@ -100,7 +101,7 @@ class Preemption(Callback):
         if self._should_stop_multi(trainer):
             self._stop(trainer)
 
-    def on_train_end(self, trainer: "Trainer", pl_module: Any) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         # A signal during the last step(s): training is over, but the scheduler still wants the process gone.
         if jax.process_count() > 1:
             client = self._client()
@@ -124,10 +125,10 @@ class Preemption(Callback):
     def _try_get(client: Any, key: str) -> str | None:
         try:
             return client.key_value_try_get(key)
-        except Exception:  # noqa: BLE001 - NOT_FOUND is reported as an error
+        except Exception:
             return None
 
-    def _should_stop_multi(self, trainer: "Trainer") -> bool:
+    def _should_stop_multi(self, trainer: Trainer) -> bool:
         client = self._client()
         here = trainer._micro_batches
         if self._stop_at is None:
@@ -135,7 +136,7 @@ class Preemption(Callback):
                 self._announced = True
                 try:  # the first process to propose wins; the others read its value
                     client.key_value_set(f"{self._ns}/stop_at", str(here + AGREE_MARGIN))
-                except Exception:  # noqa: BLE001 - already proposed by another process
+                except Exception:
                     pass
             value = self._try_get(client, f"{self._ns}/stop_at")
             if value is None:
@@ -144,10 +145,11 @@ class Preemption(Callback):
             if here > self._stop_at:
                 raise RuntimeError(
                     f"preemption: process {jax.process_index()} is at micro-batch {here}, past the agreed stop "
-                    f"point {self._stop_at}; processes drifted more than AGREE_MARGIN={AGREE_MARGIN} apart")
+                    f"point {self._stop_at}; processes drifted more than AGREE_MARGIN={AGREE_MARGIN} apart"
+                )
         return here >= self._stop_at
 
-    def _stop(self, trainer: "Trainer") -> None:
+    def _stop(self, trainer: Trainer) -> None:
         from jaxlight.checkpoint import Preempted
 
         signum = self.received
@@ -162,7 +164,9 @@ class Preemption(Callback):
         if trainer.is_global_zero and self.verbose:
             name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
             where = f"checkpoint written to {path}" if path else "no checkpoint written (checkpointing is disabled)"
-            print(f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
-                  f"(epoch {trainer.current_epoch}, batch {trainer._batches_in_epoch}); {where}. "
-                  f"Run again with ckpt_path='last' to resume.")
+            print(
+                f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
+                f"(epoch {trainer.current_epoch}, batch {trainer._batches_in_epoch}); {where}. "
+                f"Run again with ckpt_path='last' to resume."
+            )
         raise Preempted(trainer.global_step, path, signum)

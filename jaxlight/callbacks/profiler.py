@@ -54,8 +54,9 @@ class ProfilerWindow(Callback):
             try:
                 jax.profiler.start_trace(root)
             except RuntimeError as e:
-                raise RuntimeError(f"ProfilerWindow could not start a trace in {root!r} (is another "
-                                   f"jax.profiler trace running?): {e}") from e
+                raise RuntimeError(
+                    f"ProfilerWindow could not start a trace in {root!r} (is another jax.profiler trace running?): {e}"
+                ) from e
             self._active = True
         if self._active:
             self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=trainer.global_step)

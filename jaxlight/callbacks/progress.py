@@ -36,9 +36,15 @@ class TQDMProgressBar(Callback):
         from tqdm.auto import tqdm
 
         self._close(key)
-        self._bars[key] = tqdm(total=total, desc=desc, leave=leave, dynamic_ncols=True,
-                               file=self.file or sys.stderr, position=0 if key == "train" else 1,
-                               smoothing=0.1)
+        self._bars[key] = tqdm(
+            total=total,
+            desc=desc,
+            leave=leave,
+            dynamic_ncols=True,
+            file=self.file or sys.stderr,
+            position=0 if key == "train" else 1,
+            smoothing=0.1,
+        )
         self._shown_metrics = None
 
     def _advance(self, trainer: Any, key: str, batch_idx: int) -> None:

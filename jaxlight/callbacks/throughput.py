@@ -48,8 +48,10 @@ def peak_flops(device: Any, precision: str = "bf16-mixed") -> float | None:
 def _default_batch_size(batch: Any) -> int:
     leaves = jax.tree.leaves(batch)
     if not leaves or not getattr(leaves[0], "ndim", 0):
-        raise ValueError("ThroughputMonitor could not find the batch size (first array has no leading "
-                         "dimension); pass batch_size_fn=lambda batch: ...")
+        raise ValueError(
+            "ThroughputMonitor could not find the batch size (first array has no leading "
+            "dimension); pass batch_size_fn=lambda batch: ..."
+        )
     return int(leaves[0].shape[0])
 
 
@@ -81,9 +83,14 @@ class ThroughputMonitor(Callback):
     Latest values are in ``self.metrics``.
     """
 
-    def __init__(self, batch_size_fn: Callable[[Any], int] | None = None,
-                 length_fn: Callable[[Any], Any] | None = None, peak_flops: float | None = None,
-                 window: int = 100, separator: str = "/") -> None:
+    def __init__(
+        self,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        length_fn: Callable[[Any], Any] | None = None,
+        peak_flops: float | None = None,
+        window: int = 100,
+        separator: str = "/",
+    ) -> None:
         if window < 1:
             raise ValueError(f"ThroughputMonitor window must be >= 1, got {window}")
         if peak_flops is not None and peak_flops <= 0:
@@ -140,8 +147,12 @@ class ThroughputMonitor(Callback):
             return {}
         sep = self.separator
         samples = float(sum(float(np.asarray(s)) for s in list(self._samples)[1:]))
-        out = {"step_time": dt / n, "batches_per_sec": n / dt, "samples_per_sec": samples / dt,
-               f"device{sep}samples_per_sec": samples / dt / num_devices}
+        out = {
+            "step_time": dt / n,
+            "batches_per_sec": n / dt,
+            "samples_per_sec": samples / dt,
+            f"device{sep}samples_per_sec": samples / dt / num_devices,
+        }
         items = list(self._items)[1:]
         if items and all(i is not None for i in items):
             tokens = float(sum(float(np.asarray(i)) for i in items))
@@ -171,7 +182,7 @@ class ThroughputMonitor(Callback):
 def _flops(compiled: Any) -> float | None:
     try:
         cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - some backends cannot analyse; then there is no FLOPs figure
+    except Exception:
         return None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None

@@ -32,8 +32,14 @@ class CSVLogger(VersionedDirLogger):
     ``version=None`` takes the next free ``version_N``.
     """
 
-    def __init__(self, save_dir: str = "logs", name: str | None = "lightning_logs", version: int | str | None = None,
-                 prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+    def __init__(
+        self,
+        save_dir: str = "logs",
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
         super().__init__(save_dir, name, version)
         self._prefix = prefix
         self._flush_every = flush_logs_every_n_steps

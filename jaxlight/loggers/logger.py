@@ -113,7 +113,7 @@ class LoggerCollection:
         for lg in self.loggers:
             try:
                 getattr(lg, method)(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - re-raised below
+            except Exception as e:
                 if first is None:
                     first = e
         if first is not None:

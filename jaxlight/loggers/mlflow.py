@@ -31,13 +31,23 @@ class MLFlowLogger(Logger):
 
     LOGGER_JOIN_CHAR = "-"
 
-    def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
-                 tracking_uri: str | None = None, tags: Mapping[str, Any] | None = None,
-                 save_dir: str | None = "./mlruns", log_model: bool = False, prefix: str = "",
-                 artifact_location: str | None = None, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        experiment_name: str = "lightning_logs",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        tags: Mapping[str, Any] | None = None,
+        save_dir: str | None = "./mlruns",
+        log_model: bool = False,
+        prefix: str = "",
+        artifact_location: str | None = None,
+        run_id: str | None = None,
+    ) -> None:
         if log_model:
-            raise ValueError("MLFlowLogger(log_model=True) is not supported; checkpoints are orbax directories "
-                             "(log them with logger.experiment.log_artifacts(run_id, path))")
+            raise ValueError(
+                "MLFlowLogger(log_model=True) is not supported; checkpoints are orbax directories "
+                "(log them with logger.experiment.log_artifacts(run_id, path))"
+            )
         if tracking_uri is None:
             tracking_uri = os.getenv("MLFLOW_TRACKING_URI")
         if tracking_uri is None and save_dir is not None:
@@ -71,8 +81,9 @@ class MLFlowLogger(Logger):
         else:
             exp = client.get_experiment_by_name(self._experiment_name)
             if exp is None:
-                self._experiment_id = client.create_experiment(self._experiment_name,
-                                                               artifact_location=self._artifact_location)
+                self._experiment_id = client.create_experiment(
+                    self._experiment_name, artifact_location=self._artifact_location
+                )
             else:
                 self._experiment_id = exp.experiment_id
             tags = {k: str(v) for k, v in self.tags.items()}
@@ -105,7 +116,7 @@ class MLFlowLogger(Logger):
     @property
     def save_dir(self) -> str | None:
         uri = self._tracking_uri or ""
-        return uri[len("file:"):] if uri.startswith("file:") else None
+        return uri[len("file:") :] if uri.startswith("file:") else None
 
     @property
     def log_dir(self) -> str | None:
@@ -116,14 +127,19 @@ class MLFlowLogger(Logger):
 
         flat = {k: str(v)[:_PARAM_VALUE_LIMIT] for k, v in flatten_hparams(params).items()}
         client = self.experiment
-        changed = {k: (self._logged_params[k], v) for k, v in flat.items()
-                   if k in self._logged_params and self._logged_params[k] != v}
+        changed = {
+            k: (self._logged_params[k], v)
+            for k, v in flat.items()
+            if k in self._logged_params and self._logged_params[k] != v
+        }
         if changed:
-            raise ValueError(f"MLFlowLogger: run {self._run_id} already has different values for parameters "
-                             f"{changed} (old, new); MLflow cannot change a logged parameter")
+            raise ValueError(
+                f"MLFlowLogger: run {self._run_id} already has different values for parameters "
+                f"{changed} (old, new); MLflow cannot change a logged parameter"
+            )
         new = [Param(k, v) for k, v in flat.items() if k not in self._logged_params]
         for i in range(0, len(new), 100):  # MLflow accepts at most 100 params per batch
-            client.log_batch(self._run_id, params=new[i:i + 100])
+            client.log_batch(self._run_id, params=new[i : i + 100])
         self._logged_params.update(flat)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -140,7 +156,7 @@ class MLFlowLogger(Logger):
             items.append(Metric(name, float(v), ts, 0 if step is None else int(step)))
         client = self.experiment
         for i in range(0, len(items), 1000):
-            client.log_batch(self._run_id, metrics=items[i:i + 1000])
+            client.log_batch(self._run_id, metrics=items[i : i + 1000])
 
     def finalize(self, status: str) -> None:
         if self._client is None:
@@ -156,6 +172,8 @@ class MLFlowLogger(Logger):
         if run_id is None:
             return
         if self._client is not None and self._run_id != run_id:
-            raise ValueError(f"MLFlowLogger already logs to run {self._run_id}; cannot switch to the checkpoint's "
-                             f"run {run_id} (create the logger fresh, or pass run_id=)")
+            raise ValueError(
+                f"MLFlowLogger already logs to run {self._run_id}; cannot switch to the checkpoint's "
+                f"run {run_id} (create the logger fresh, or pass run_id=)"
+            )
         self._run_id = run_id

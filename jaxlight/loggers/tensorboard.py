@@ -23,9 +23,16 @@ class TensorBoardLogger(VersionedDirLogger):
 
     LOGGER_JOIN_CHAR = "-"
 
-    def __init__(self, save_dir: str | os.PathLike = "logs", name: str | None = "lightning_logs",
-                 version: int | str | None = None, default_hp_metric: bool = True, prefix: str = "",
-                 sub_dir: str | None = None, flush_secs: int = 120) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike = "logs",
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: str | None = None,
+        flush_secs: int = 120,
+    ) -> None:
         super().__init__(save_dir, name, version)
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix

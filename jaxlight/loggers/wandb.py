@@ -27,13 +27,26 @@ class WandbLogger(Logger):
 
     LOGGER_JOIN_CHAR = "-"
 
-    def __init__(self, name: str | None = None, save_dir: str = ".", version: str | None = None,
-                 offline: bool = False, dir: str | None = None, id: str | None = None,
-                 anonymous: bool | None = None, project: str | None = None, log_model: bool = False,
-                 experiment: Any = None, prefix: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        save_dir: str = ".",
+        version: str | None = None,
+        offline: bool = False,
+        dir: str | None = None,
+        id: str | None = None,
+        anonymous: bool | None = None,
+        project: str | None = None,
+        log_model: bool = False,
+        experiment: Any = None,
+        prefix: str = "",
+        **kwargs: Any,
+    ) -> None:
         if log_model:
-            raise ValueError("WandbLogger(log_model=True) is not supported; checkpoints are orbax directories "
-                             "(log them as a wandb.Artifact yourself)")
+            raise ValueError(
+                "WandbLogger(log_model=True) is not supported; checkpoints are orbax directories "
+                "(log them as a wandb.Artifact yourself)"
+            )
         self._name = name
         self._save_dir = os.fspath(dir if dir is not None else save_dir)
         self._id = version or id
@@ -55,8 +68,14 @@ class WandbLogger(Logger):
             self._experiment = wandb.run  # a run the user started themselves
         else:
             os.makedirs(self._save_dir, exist_ok=True)
-            init = dict(name=self._name, project=self._project, dir=self._save_dir, id=self._id,
-                        resume="allow", anonymous=self._anonymous)
+            init = dict(
+                name=self._name,
+                project=self._project,
+                dir=self._save_dir,
+                id=self._id,
+                resume="allow",
+                anonymous=self._anonymous,
+            )
             if self._offline:
                 init["mode"] = "offline"
             init.update(self._kwargs)
@@ -104,6 +123,8 @@ class WandbLogger(Logger):
         if run_id is None:
             return
         if self._experiment is not None and self._experiment.id != run_id:
-            raise ValueError(f"WandbLogger already logs to run {self._experiment.id}; cannot switch to the "
-                             f"checkpoint's run {run_id} (create the logger fresh, or pass id=)")
+            raise ValueError(
+                f"WandbLogger already logs to run {self._experiment.id}; cannot switch to the "
+                f"checkpoint's run {run_id} (create the logger fresh, or pass id=)"
+            )
         self._id = run_id

@@ -1,5 +1,6 @@
 """Placement strategies: a mesh shape plus logical rules, composed with ``+``."""
 
+from jaxlight.strategies.placement import LayoutError
 from jaxlight.strategies.rules import (
     BATCH_AXES,
     DEFAULT_RULES,
@@ -9,14 +10,13 @@ from jaxlight.strategies.rules import (
     override_rules,
     resolve_spec,
 )
-from jaxlight.strategies.placement import LayoutError
 from jaxlight.strategies.strategy import (
     FILL,
     FSDP,
+    STRATEGY_REGISTRY,
     DataParallel,
     Strategy,
     TensorParallel,
-    STRATEGY_REGISTRY,
     register_strategy,
     resolve_strategy,
 )

@@ -13,9 +13,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlight.state import logical_axes
 from jaxlight.strategies.rules import BATCH_AXES, PARAM_FORBIDDEN_AXES, Rules, normalize_rules, resolve_spec
@@ -133,8 +133,11 @@ def check_tolerance(abstract: Mapping[str, Any], specs: Mapping[str, tuple], str
 
 
 def _fmt_mesh(mesh_shape: Mapping[str, int]) -> str:
-    return "{" + ", ".join(f"{a}={s}" for a, s in mesh_shape.items() if s > 1) + "}" if any(
-        s > 1 for s in mesh_shape.values()) else "{single device}"
+    return (
+        "{" + ", ".join(f"{a}={s}" for a, s in mesh_shape.items() if s > 1) + "}"
+        if any(s > 1 for s in mesh_shape.values())
+        else "{single device}"
+    )
 
 
 def named(mesh: Mesh, spec: tuple) -> NamedSharding:
@@ -153,7 +156,9 @@ def batch_axes_size(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
-def rest_specs(abstract: Mapping[str, Any], variables: Mapping[str, Any], strategy: Strategy, mesh: Mesh) -> dict[str, tuple]:
+def rest_specs(
+    abstract: Mapping[str, Any], variables: Mapping[str, Any], strategy: Strategy, mesh: Mesh
+) -> dict[str, tuple]:
     """Non-parameter variables (RNG keys, counters, batch statistics) follow
     their annotations when present and are otherwise replicated: they are
     small, and every device needs the same RNG stream to agree on dropout."""

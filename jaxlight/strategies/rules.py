@@ -24,7 +24,7 @@ PARAM_FORBIDDEN_AXES: tuple[str, ...] = ("data", "sequence", "stage")
 batch, so a parameter placed there would be gathered on every use; stage holds
 pipeline stages, which the pipeline places itself."""
 
-MeshAxes = Union[str, Sequence[str], None]
+MeshAxes = Union[str, Sequence[str], None]  # noqa: UP007 - a runtime alias (py3.10 cannot | a generic alias with None here)
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 DEFAULT_RULES: Rules = (
@@ -69,9 +69,7 @@ def normalize_rules(rules: Rules | Mapping[str, MeshAxes] | None) -> Rules:
         axes_t = _as_tuple(axes)
         for a in axes_t:
             if a not in MESH_AXES:
-                raise ValueError(
-                    f"rule {name!r} -> {axes!r} names mesh axis {a!r}; mesh axes are {MESH_AXES}"
-                )
+                raise ValueError(f"rule {name!r} -> {axes!r} names mesh axis {a!r}; mesh axes are {MESH_AXES}")
         out.append((name, axes if axes is None or isinstance(axes, str) else tuple(axes)))
     return tuple(out)
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxlight.strategies.rules import MESH_AXES, MeshAxes, Rules, normalize_rules, override_rules, DEFAULT_RULES
+from jaxlight.strategies.rules import DEFAULT_RULES, MESH_AXES, MeshAxes, Rules, normalize_rules, override_rules
 
 FILL = -1
 """Axis size meaning "every device the explicit axes leave"."""
@@ -62,7 +62,7 @@ class Strategy:
         normalize_rules(self.rules)
 
     # -- algebra -----------------------------------------------------------
-    def __add__(self, other: "Strategy") -> "Strategy":
+    def __add__(self, other: Strategy) -> Strategy:
         if not isinstance(other, Strategy):
             return NotImplemented
         axes = dict(self.axes)
@@ -83,7 +83,8 @@ class Strategy:
             if self.options[key] != other.options[key]:
                 raise ValueError(
                     f"cannot compose {self.name!r} and {other.name!r}: option {key!r} is "
-                    f"{self.options[key]!r} vs {other.options[key]!r}")
+                    f"{self.options[key]!r} vs {other.options[key]!r}"
+                )
         opts = {**self.options, **other.options}
         guard = {}
         for field in ("min_shard", "tolerance"):
@@ -120,7 +121,7 @@ class Strategy:
                 f"divide the device count {num_devices}"
             )
         fill_axis = next((a for a, s in self.axes.items() if s == FILL), "data")
-        shape = {a: 1 for a in MESH_AXES}
+        shape = dict.fromkeys(MESH_AXES, 1)
         shape.update(explicit)
         if fill_axis in explicit:
             if prod != num_devices:
@@ -204,8 +205,14 @@ class TensorParallel(Strategy):
     and 2 when composed with an FSDP that fills the rest.
     """
 
-    def __init__(self, size: int | None = None, *, rules: Rules | Mapping[str, MeshAxes] = (),
-                 min_shard: int | None = None, tolerance: float | None = None) -> None:
+    def __init__(
+        self,
+        size: int | None = None,
+        *,
+        rules: Rules | Mapping[str, MeshAxes] = (),
+        min_shard: int | None = None,
+        tolerance: float | None = None,
+    ) -> None:
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"TensorParallel size must be a positive int, got {size!r}")
         super().__init__(
@@ -218,8 +225,9 @@ class TensorParallel(Strategy):
 
 def _guard(min_shard: int | None, tolerance: float | None) -> dict[str, Any]:
     """Strategy kwargs for the guardrail, remembering which ones the user set."""
-    out: dict[str, Any] = {"explicit": frozenset(
-        k for k, v in (("min_shard", min_shard), ("tolerance", tolerance)) if v is not None)}
+    out: dict[str, Any] = {
+        "explicit": frozenset(k for k, v in (("min_shard", min_shard), ("tolerance", tolerance)) if v is not None)
+    }
     if min_shard is not None:
         out["min_shard"] = min_shard
     if tolerance is not None:
@@ -242,7 +250,7 @@ def register_strategy(name: str, factory: Any) -> None:
     STRATEGY_REGISTRY[name] = factory
 
 
-def resolve_strategy(strategy: "str | Strategy") -> Strategy:
+def resolve_strategy(strategy: str | Strategy) -> Strategy:
     """Turn a strategy string (``"fsdp+tp"``) or object into a :class:`Strategy`."""
     if isinstance(strategy, Strategy):
         return strategy
