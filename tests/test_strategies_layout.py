@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import numpy as np
 import optax
 import pytest
@@ -13,6 +16,7 @@ from jaxlight.strategies import (
     DEFAULT_RULES,
     FSDP,
     DataParallel,
+    Piece,
     Strategy,
     TensorParallel,
     register_strategy,
@@ -82,15 +86,21 @@ def test_composition_and_registry():
         TensorParallel(2) + TensorParallel(4)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SpTest(Piece):
+    name: ClassVar[str] = "sp_test"
+    attention: str = "ring"
+
+    def mesh_axes(self):
+        return {"sequence": 2}
+
+
 def test_later_strategies_slot_into_strings(monkeypatch):
-    """A later issue's "sp" registers a factory and composes in strings like "fsdp+tp+sp"."""
-    monkeypatch.setitem(
-        STRATEGY_REGISTRY,
-        "sp_test",
-        lambda: Strategy(axes={"sequence": 2}, name="sp_test", options={"attention": "ring"}),
-    )
+    """A later issue's "sp" registers a factory and composes in strings like "fsdp+tp+sp"; the piece and
+    its settings survive composition (the old ``options`` field became the piece's own fields)."""
+    monkeypatch.setitem(STRATEGY_REGISTRY, "sp_test", _SpTest)
     s = resolve_strategy("fsdp+tp+sp_test")
-    assert s.name == "fsdp+tp+sp_test" and s.options == {"attention": "ring"}
+    assert s.name == "fsdp+tp+sp_test" and s.find(_SpTest).attention == "ring"
     assert {k: v for k, v in s.mesh_shape(8).items() if v > 1} == {"fsdp": 2, "tensor": 2, "sequence": 2}
     register_strategy("sp_test2", lambda: Strategy(axes={"sequence": 2}, name="sp_test2"))
     try:

@@ -1,4 +1,5 @@
-"""Placement strategies: a mesh shape plus logical rules, composed with ``+``."""
+"""Placement strategies: small immutable pieces (mesh axes, rules, batch splits, memory kinds, in-step
+wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`."""
 
 from jaxlight.strategies.placement import LayoutError
 from jaxlight.strategies.rules import (
@@ -14,7 +15,10 @@ from jaxlight.strategies.strategy import (
     FILL,
     FSDP,
     STRATEGY_REGISTRY,
+    CompositionError,
     DataParallel,
+    Layout,
+    Piece,
     Strategy,
     TensorParallel,
     register_strategy,
@@ -24,18 +28,21 @@ from jaxlight.strategies.strategy import (
 __all__ = [
     "BATCH_AXES",
     "DEFAULT_RULES",
-    "MESH_AXES",
-    "PARAM_FORBIDDEN_AXES",
     "FILL",
     "FSDP",
-    "LayoutError",
+    "MESH_AXES",
+    "PARAM_FORBIDDEN_AXES",
+    "STRATEGY_REGISTRY",
+    "CompositionError",
     "DataParallel",
+    "Layout",
+    "LayoutError",
+    "Piece",
     "Strategy",
     "TensorParallel",
-    "STRATEGY_REGISTRY",
-    "register_strategy",
-    "resolve_strategy",
     "normalize_rules",
     "override_rules",
+    "register_strategy",
     "resolve_spec",
+    "resolve_strategy",
 ]

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.state import logical_axes
-from jaxlight.strategies.rules import BATCH_AXES, PARAM_FORBIDDEN_AXES, Rules, normalize_rules, resolve_spec
+from jaxlight.strategies.rules import BATCH_AXES, PARAM_FORBIDDEN_AXES, Rules, resolve_spec
 from jaxlight.strategies.strategy import Strategy
 
 
@@ -56,24 +56,28 @@ def param_specs(
     """PartitionSpec tuples for flat parameters, with the guardrail applied."""
     rules = strategy.logical_rules
     mesh_shape = dict(mesh.shape)
-    user_rules = normalize_rules(strategy.rules) if strategy.rules else ()
+    forbidden = strategy.param_forbidden_axes
+    # Axes a piece requires parameters on (pipeline stages) apply whatever the size: they are
+    # placement, not a memory optimisation the min_shard floor may skip.
+    required = tuple(a for a in PARAM_FORBIDDEN_AXES if a not in forbidden)
     specs: dict[str, tuple] = {}
     for path, arr in abstract.items():
         shape = tuple(arr.shape)
         names = logical_axes(variables[path]) if path in variables else None
         size = math.prod(shape)
         if names is not None:
-            _check_forbidden(path, shape, names, user_rules)
+            _check_forbidden(path, shape, names, strategy.rules, forbidden)
             spec = resolve_spec(names, shape, rules, mesh_shape)
-            bad = [a for a in _spec_axes(spec) if a in PARAM_FORBIDDEN_AXES]
+            bad = [a for a in _spec_axes(spec) if a in forbidden]
             if bad:
                 raise LayoutError(
                     f"parameter {path} {shape} with logical axes {names} is placed on mesh axis "
                     f"{bad[0]!r} (size {mesh_shape[bad[0]]}) by the rules; parameters may not use "
-                    f"{PARAM_FORBIDDEN_AXES}: those axes split the batch or hold pipeline stages"
+                    f"{forbidden}: those axes split the batch or hold pipeline stages"
                 )
             if size < strategy.min_shard:
-                spec = ()  # small: replicated on purpose (a gather would cost more than it saves)
+                # small: replicated on purpose (a gather would cost more than it saves)
+                spec = _keep_axes(spec, required)
         else:
             spec = heuristic_spec(shape, mesh_shape, strategy.min_shard)
         specs[path] = spec
@@ -81,18 +85,26 @@ def param_specs(
     return specs
 
 
-def _check_forbidden(path: str, shape: tuple, names: tuple, user_rules: Rules) -> None:
-    # A user rule sending a parameter's name to data/sequence/stage is refused on
+def _keep_axes(spec: tuple, axes: tuple[str, ...]) -> tuple:
+    """``spec`` with only the entries that use ``axes`` (the rest replicated)."""
+    out = [s if s is not None and set(_spec_axes((s,))) <= set(axes) else None for s in spec]
+    while out and out[-1] is None:
+        out.pop()
+    return tuple(out)
+
+
+def _check_forbidden(path: str, shape: tuple, names: tuple, rules: Rules, forbidden: tuple[str, ...]) -> None:
+    # A rule from a piece sending a parameter's name to data/sequence/stage is refused on
     # every mesh, not only where that axis happens to be larger than 1.
     for name in names:
-        for rule_name, axes in user_rules:
+        for rule_name, axes in rules:
             if rule_name != name or axes is None:
                 continue
-            bad = [a for a in ((axes,) if isinstance(axes, str) else axes) if a in PARAM_FORBIDDEN_AXES]
+            bad = [a for a in ((axes,) if isinstance(axes, str) else axes) if a in forbidden]
             if bad:
                 raise LayoutError(
                     f"rule {rule_name!r} -> {axes!r} would place parameter {path} {shape} (logical axes "
-                    f"{names}) on mesh axis {bad[0]!r}; parameters may not use {PARAM_FORBIDDEN_AXES}: "
+                    f"{names}) on mesh axis {bad[0]!r}; parameters may not use {forbidden}: "
                     f"data and sequence split the batch (the parameter would be gathered on every use) "
                     f"and stage holds pipeline stages"
                 )

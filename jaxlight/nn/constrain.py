@@ -1,11 +1,10 @@
-"""Model-side helpers: pin activations to logical axes, adapt Linen models."""
+"""Pin activations to logical axes: the rules context the trainer enters while tracing, and ``constrain``."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -44,18 +43,3 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     spec = resolve_spec(tuple(names), tuple(x.shape), rules, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
-
-
-def from_linen(module: Any, *sample_inputs: Any, rngs: Any = None, **kwargs: Any) -> Any:
-    """Wrap a flax Linen module as an NNX module the trainer can train.
-
-    Uses flax's nnx bridge (``nnx.bridge.ToNNX``) and initialises it lazily
-    on ``sample_inputs``. Linen ``params`` become ``nnx.Param`` (trained),
-    other collections (``batch_stats``...) are carried through the step.
-    Call it in ``configure_model``:
-    ``self.net = jl.nn.from_linen(MyLinen(), jnp.ones((1, 784)), rngs=nnx.Rngs(0))``.
-    """
-    from flax import nnx
-
-    rngs = rngs if rngs is not None else nnx.Rngs(0)
-    return nnx.bridge.ToNNX(module, rngs=rngs).lazy_init(*sample_inputs, **kwargs)
