@@ -1,7 +1,7 @@
 """Checkpoints of a whole run on orbax-checkpoint: save, find, restore.
 
 A checkpoint is one directory written by an orbax ``CompositeCheckpointHandler``
-with up to three items:
+with these items (docs/checkpointing.md describes each file):
 
 - ``model``: ``{"params": {path: array}, "rest": {path: array}}``, the module's
   NNX state keyed by the same "/"-joined paths as ``jaxlight.state`` (RNG keys
@@ -10,22 +10,29 @@ with up to three items:
   callback-owned in-step state (EMA) and the device step counter, each flattened
   to path-keyed dicts (absent in weights-only checkpoints);
 - ``meta``: JSON with readable facts (step, epoch, position in the epoch, key
-  types) and ``host``: a pickled dict in Lightning's checkpoint shape (loop
+  types) and ``host_state``: a dict in Lightning's checkpoint shape (loop
   position, dataloader state, callback ``state_dict``s, datamodule and logger
-  state, hparams, and whatever ``on_save_checkpoint`` hooks added).
+  state, hparams, and whatever ``on_save_checkpoint`` hooks added) in tagged
+  JSON (``jaxlight.serialization``);
+- ``host_arrays``: the arrays over 64 KiB inside that host state (arrays in
+  callback or loader states) as numpy arrays keyed "0", "1", ..., which
+  ``host_state`` refers to (absent when there are none; smaller arrays, such as
+  a torch generator's state, are inlined in the JSON as base64);
+- ``hparams``: ``hparams.yaml``, a readable copy of the hparams.
 
-Orbax writes into a temporary directory and renames it on commit, so a
-directory with the final name is complete; partial ones are never loaded.
-Restores read each array straight into the *current* trainer's shardings, so a
-checkpoint saved under one strategy or device count restores under another.
+Nothing in a checkpoint is pickled, so opening one never runs code: decoding
+builds only a fixed list of plain types. Orbax writes into a temporary
+directory and renames it on commit, so a directory with the final name is
+complete; partial ones are never loaded. Restores read each array straight into
+the *current* trainer's shardings, so a checkpoint saved under one strategy or
+device count restores under another.
 """
 
 from __future__ import annotations
 
-import base64
+import functools
 import json
 import os
-import pickle
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jaxlight import serialization
 from jaxlight.data import _FRESH_EPOCH_KEY, _GENERATOR_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +49,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
 
 FORMAT = "jaxlight-checkpoint"
-FORMAT_VERSION = 1
+# 1: host state pickled in meta["host"] (refused: unpickling runs code); 2: tagged JSON + orbax arrays.
+FORMAT_VERSION = 2
+META_FILE = "metadata"  # the file orbax's JsonCheckpointHandler writes inside the meta item
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _LIST_LIMIT = 20  # paths listed in an error before "... and N more"
 
@@ -78,10 +88,49 @@ def _ocp():
     return ocp
 
 
+@functools.cache
+def _hparams_yaml() -> tuple[type, type]:
+    """An orbax handler writing ``hparams.yaml`` (``yaml.safe_dump``) and its save args (built on first use:
+    orbax is imported lazily)."""
+    import dataclasses
+
+    import yaml
+    from orbax.checkpoint import checkpoint_args
+
+    ocp = _ocp()
+
+    class HparamsYamlHandler(ocp.JsonCheckpointHandler):
+        """Writes a readable copy of the hparams as ``hparams.yaml`` (the exact values are in ``meta``)."""
+
+        def __init__(self) -> None:
+            super().__init__(filename="hparams.yaml")
+
+        async def _save_fn(self, x: Any, directory: Any) -> None:
+            if jax.process_index() == 0:  # the primary host writes, as for the JSON item
+                (directory / self._filename).write_text(x["text"])  # rendered before the save returned
+
+        def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+            return yaml.safe_load((directory / self._filename).read_text())
+
+    HparamsYamlHandler.__module__, HparamsYamlHandler.__qualname__ = __name__, "HparamsYamlHandler"
+
+    @checkpoint_args.register_with_handler(HparamsYamlHandler, for_save=True, for_restore=True)
+    @dataclasses.dataclass
+    class HparamsYamlArgs(checkpoint_args.CheckpointArgs):
+        item: Mapping[str, Any]
+
+    HparamsYamlArgs.__module__, HparamsYamlArgs.__qualname__ = __name__, "HparamsYamlArgs"
+    return HparamsYamlHandler, HparamsYamlArgs
+
+
 def _new_checkpointer(async_: bool) -> Any:
     ocp = _ocp()
     handler = ocp.CompositeCheckpointHandler(
-        model=ocp.StandardCheckpointHandler(), train=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
+        model=ocp.StandardCheckpointHandler(),
+        train=ocp.StandardCheckpointHandler(),
+        meta=ocp.JsonCheckpointHandler(filename=META_FILE),
+        host_arrays=ocp.StandardCheckpointHandler(),
+        hparams=_hparams_yaml()[0](),
     )
     return ocp.AsyncCheckpointer(handler) if async_ else ocp.Checkpointer(handler)
 
@@ -238,15 +287,32 @@ def _loaders_are_per_process(trainer: Trainer) -> bool:
 
 
 def _gather_per_process(state: Any) -> list[Any]:
-    """Every process's loader state, in process order (a collective: all processes call it)."""
+    """Every process's loader state, in process order (a collective: all processes call it).
+
+    Sent as tagged JSON (arrays inlined), never pickled. A state that cannot be
+    encoded makes every process raise (its size is sent as -1), so no process
+    is left waiting in the second gather.
+    """
     from jax.experimental import multihost_utils
 
-    blob = np.frombuffer(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(blob.size))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: blob.size] = blob
+    root = "checkpoint['loops']['fit_loop']['loader_state']"
+    try:
+        blob, error = serialization.dumps(state, root=root).encode("utf-8"), None
+    except serialization.EncodeError as e:
+        blob, error = b"", e
+    size = np.int32(-1 if error is not None else len(blob))
+    sizes = np.asarray(multihost_utils.process_allgather(size)).reshape(-1)
+    if error is not None:
+        raise _save_error(error) from error
+    if (sizes < 0).any():
+        bad = [i for i, n in enumerate(sizes) if n < 0]
+        raise CheckpointError(
+            f"cannot save the checkpoint: the train loader state of process(es) {bad} cannot be stored"
+        )
+    padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
+    padded[: len(blob)] = np.frombuffer(blob, np.uint8)
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [pickle.loads(every[i, : int(n)].tobytes()) for i, n in enumerate(sizes)]
+    return [serialization.loads(every[i, : int(n)].tobytes(), root=root) for i, n in enumerate(sizes)]
 
 
 def _version() -> str:
@@ -258,18 +324,61 @@ def _version() -> str:
         return "unknown"
 
 
+def _save_error(e: serialization.EncodeError) -> CheckpointError:
+    """A save-time error naming the key path and type, and what to do about it."""
+    path = e.path
+    if path.startswith(("checkpoint['hyper_parameters'][", "checkpoint['datamodule_hyper_parameters'][")):
+        name = path.split("][", 1)[1].split("]", 1)[0]
+        owner = "datamodule" if path.startswith("checkpoint['datamodule_") else "module"
+        advice = (
+            f"it is a hyperparameter of the {owner}: leave it out with self.save_hyperparameters(ignore=[{name}]) "
+            f"and pass it again when loading (load_from_checkpoint(path, {name.strip(chr(39))}=...))"
+        )
+    elif path.startswith("checkpoint['callbacks']["):
+        advice = "it comes from that callback's state_dict(); return only plain data there"
+    elif path.startswith("checkpoint['loops']['fit_loop']['loader_state"):
+        advice = "it comes from the train dataloader's state_dict()"
+    elif path.startswith("checkpoint['datamodule']"):
+        advice = "it comes from the datamodule's state_dict()"
+    elif path.startswith("checkpoint['loggers']"):
+        advice = "it comes from a logger's state_dict()"
+    else:
+        advice = "it was added to the checkpoint dict by an on_save_checkpoint hook"
+    why = f" ({e.reason})" if e.reason else ""
+    return CheckpointError(
+        f"cannot save the checkpoint: {path} has type {e.type_name}{why}, which a jaxlight checkpoint cannot "
+        f"store; {advice}. Checkpoints hold data only, never pickles, so that opening one cannot run code. "
+        f"Supported types: {serialization.SUPPORTED}"
+    )
+
+
+def _encode_host(ckpt: dict[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:
+    """The host dict as tagged JSON plus the arrays it refers to (for the ``host_arrays`` item)."""
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        state = serialization.encode(ckpt, root="checkpoint", arrays=arrays)
+    except serialization.EncodeError as e:
+        raise _save_error(e) from None
+    return state, arrays
+
+
+def _hparams_text(ckpt: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(serialization.plain(ckpt.get("hyper_parameters") or {}), sort_keys=False)
+
+
 def _meta(
-    trainer: Trainer, ckpt: dict[str, Any], impls: dict[str, str], weights_only: bool, reason: str
+    trainer: Trainer,
+    ckpt: dict[str, Any],
+    host_state: Any,
+    n_arrays: int,
+    impls: dict[str, str],
+    weights_only: bool,
+    reason: str,
 ) -> dict[str, Any]:
     fl = ckpt["loops"]["fit_loop"]
     module = trainer.lightning_module
-    try:
-        host = base64.b64encode(pickle.dumps(ckpt, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
-    except Exception as e:  # say which part cannot be saved
-        raise CheckpointError(
-            f"the checkpoint dict cannot be pickled ({e}); keys added by on_save_checkpoint "
-            f"hooks and callback/loader state_dicts must be picklable"
-        ) from e
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -286,8 +395,21 @@ def _meta(
         "strategy": str(trainer.strategy),
         "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
         "key_impls": impls,
-        "host": host,
+        "host_arrays": n_arrays,
+        "host_state": host_state,
     }
+
+
+def _agree(error: BaseException | None) -> None:
+    """Multi-process saves: if any process failed to build its part, all of them raise (none waits in orbax)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
+    if error is None and failed.any():
+        bad = [i for i, f in enumerate(failed) if f]
+        raise CheckpointError(f"cannot save the checkpoint: process(es) {bad} failed to build their part of it")
 
 
 def save_checkpoint(
@@ -305,16 +427,29 @@ def save_checkpoint(
     background (``checkpointer.wait_until_finished()`` waits). Without one the
     save is synchronous. Every process must call this with the same ``path``.
     """
-    ckpt = dump_checkpoint(trainer, weights_only)
-    groups, impls = _groups(trainer, weights_only)
-    meta = _meta(trainer, ckpt, impls, weights_only, reason)
+    path = Path(os.path.abspath(os.fspath(path)))
+    error: BaseException | None = None
+    try:  # everything that can fail on the host, before orbax writes anything
+        ckpt = dump_checkpoint(trainer, weights_only)
+        host_state, host_arrays = _encode_host(ckpt)
+        groups, impls = _groups(trainer, weights_only)
+        meta = _meta(trainer, ckpt, host_state, len(host_arrays), impls, weights_only, reason)
+        json.dumps(meta, allow_nan=False)  # standard JSON (the readable facts are plain too)
+        hparams_text = _hparams_text(ckpt)
+        if path.exists():
+            raise CheckpointError(f"checkpoint path {path} already exists; refusing to overwrite it")
+    except Exception as e:
+        error = e
+    _agree(error)
+    if error is not None:
+        raise error
     ocp = _ocp()
     items = {g: ocp.args.StandardSave(tree) for g, tree in groups.items()}
     items["meta"] = ocp.args.JsonSave(meta)
+    if host_arrays:
+        items["host_arrays"] = ocp.args.StandardSave(host_arrays)
+    items["hparams"] = _hparams_yaml()[1]({"text": hparams_text})
     ck = checkpointer if checkpointer is not None else _new_checkpointer(async_=False)
-    path = Path(os.path.abspath(os.fspath(path)))
-    if path.exists():
-        raise CheckpointError(f"checkpoint path {path} already exists; refusing to overwrite it")
     ck.save(path, args=ocp.args.Composite(**items))
     return ck
 
@@ -332,24 +467,172 @@ def is_complete(path: str | os.PathLike) -> bool:
     )
 
 
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``meta`` item of a checkpoint (readable facts + the pickled host dict)."""
-    p = Path(path) / "meta"
-    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else []
-    for f in files:
-        try:
-            meta = json.loads(f.read_text())
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if isinstance(meta, dict) and meta.get("format") == FORMAT:
-            return meta
-    raise CheckpointError(
-        f"{path} holds no readable jaxlight meta item (looked in {p}); it is not a jaxlight checkpoint or it is corrupt"
-    )
+class CheckpointMeta(dict):
+    """The ``meta`` item of a checkpoint as a dict, remembering the directory (``path``) and file it came from."""
+
+    path: Path | None = None
+    file: Path | None = None
 
 
-def host_checkpoint(meta: Mapping[str, Any]) -> dict[str, Any]:
-    return pickle.loads(base64.b64decode(meta["host"]))
+def read_meta(path: str | os.PathLike) -> CheckpointMeta:
+    """The ``meta`` item of a checkpoint: readable facts (step, epoch, position, mesh) and the encoded host state.
+
+    Only JSON is parsed here. A missing, truncated or malformed file raises a
+    :class:`CheckpointError` naming it. Checkpoints of every format version
+    are read, so ``"last"`` can find an old one; :func:`host_checkpoint`
+    refuses the pickled ones.
+    """
+    d = Path(path) / "meta"
+    f = d / META_FILE
+    if not f.is_file():
+        raise CheckpointError(
+            f"{path} holds no jaxlight meta item ({f} is missing); it is not a jaxlight checkpoint or it is corrupt"
+        )
+    try:
+        data = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"checkpoint metadata {f} is not UTF-8 text (corrupt?): {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint metadata {f} is nested too deeply to be jaxlight metadata") from None
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint metadata {f} is not valid JSON (truncated or corrupt?): {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f'{f} is not jaxlight checkpoint metadata (no "format": "{FORMAT}" field)')
+    meta = CheckpointMeta(data)
+    meta.path, meta.file = Path(path), f
+    return meta
+
+
+def host_checkpoint(meta: Mapping[str, Any], path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The Lightning-shaped host dict of a checkpoint (``epoch``, ``global_step``, ``loops``, ``callbacks``,
+    ``hyper_parameters``, ...), decoded from ``meta`` (from :func:`read_meta`) and its ``host_arrays`` item.
+
+    Never unpickles: a checkpoint written by jaxlight before format version 2
+    (pickled host state) raises :class:`CheckpointError` without being opened
+    further, and so does anything that does not decode to the documented
+    types. ``path`` is the checkpoint directory (default: where ``meta`` was
+    read from).
+    """
+    path = Path(path) if path is not None else getattr(meta, "path", None)
+    where = getattr(meta, "file", None) or (Path(path) / "meta" / META_FILE if path is not None else "the metadata")
+    version = meta.get("format_version")
+    if version == 1 or ("host" in meta and "host_state" not in meta):
+        raise CheckpointError(
+            f"checkpoint {path} was written by an older jaxlight (format version {version}) that stored its host "
+            f"state (loop position, callback states, hparams) as a pickle; it is not loaded, because unpickling a "
+            f"file can run arbitrary code. Its arrays are plain orbax items (model/, train/): "
+            f"docs/checkpointing.md shows how to read them without jaxlight"
+        )
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version!r}; this jaxlight reads version {FORMAT_VERSION} "
+            f"(a newer jaxlight wrote it?)"
+        )
+    if "host_state" not in meta:
+        raise CheckpointError(f"{where} has no host_state field; the checkpoint is corrupt")
+    data = meta["host_state"]
+    try:
+        refs = serialization.array_refs(data, root="checkpoint")
+    except serialization.DecodeError as e:
+        raise CheckpointError(f"checkpoint metadata {where} is malformed at {e}") from None
+    arrays = _restore_host_arrays(path, refs) if refs else {}
+
+    def load(ref: str, dtype: np.dtype, shape: tuple, at: str) -> np.ndarray:
+        return arrays[ref]
+
+    try:
+        ckpt = serialization.decode(data, root="checkpoint", load_array=load)
+    except serialization.DecodeError as e:
+        raise CheckpointError(f"checkpoint metadata {where} is malformed at {e}") from None
+    _check_host(ckpt, where)
+    return ckpt
+
+
+def _restore_host_arrays(path: Path | None, refs: Mapping[str, tuple[np.dtype, tuple]]) -> dict[str, np.ndarray]:
+    """The host-state arrays ``refs`` names, read from the ``host_arrays`` item as numpy arrays."""
+    if path is None:
+        raise CheckpointError("the host state refers to stored arrays; pass the checkpoint path to host_checkpoint")
+    if not (Path(path) / "host_arrays").is_dir():
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: missing ['host_arrays']")
+    ocp = _ocp()
+    ck = _new_checkpointer(async_=False)
+    try:
+        md = ck.metadata(path).item_metadata.get("host_arrays")
+        stored = {k: (str(getattr(m, "dtype", "")), tuple(getattr(m, "shape", ()))) for k, m in (md.tree or {}).items()}
+        # checked before anything is allocated: the metadata's shapes are only claims
+        bad = [
+            f"{k}: metadata {dtype}{shape} vs stored {stored[k][0]}{stored[k][1]}"
+            if k in stored
+            else f"{k}: not stored"
+            for k, (dtype, shape) in refs.items()
+            if stored.get(k) != (str(dtype), shape)
+        ]
+        if bad:
+            raise CheckpointError(f"checkpoint {path}: host arrays do not match the metadata ({_listing(bad)})")
+        target = {k: np.zeros(shape, dtype) for k, (dtype, shape) in refs.items()}
+        out = ck.restore(path, args=ocp.args.Composite(host_arrays=ocp.args.StandardRestore(target)))["host_arrays"]
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path}: the host_arrays item could not be read (corrupt or partial files?): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    for k, (dtype, shape) in refs.items():
+        a = out.get(k)
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape:
+            raise CheckpointError(
+                f"checkpoint {path}: host array {k} is not the {dtype}{shape} array the metadata names"
+            )
+    return dict(out)
+
+
+def _check_host(ckpt: Any, where: Any) -> None:
+    """The fields jaxlight itself reads from the host dict have the types it expects (else a CheckpointError)."""
+
+    def bad(key: str, want: str, value: Any) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint metadata {where} is malformed: checkpoint{key} should be {want}, got {type(value).__name__}"
+        )
+
+    def is_int(v: Any) -> bool:
+        return type(v) is int and v >= 0
+
+    if not isinstance(ckpt, dict):
+        raise bad("", "a dict", ckpt)
+    for key in ("epoch", "global_step"):
+        if not is_int(ckpt.get(key)):
+            raise bad(f"[{key!r}]", "an int >= 0", ckpt.get(key))
+    loops = ckpt.get("loops")
+    fl = loops.get("fit_loop") if isinstance(loops, dict) else None
+    if not isinstance(fl, dict):
+        raise bad("['loops']['fit_loop']", "a dict", fl)
+    for key in ("resume_epoch", "batches_in_epoch", "micro_batches"):
+        if not is_int(fl.get(key)):
+            raise bad(f"['loops']['fit_loop'][{key!r}]", "an int >= 0", fl.get(key))
+    if type(fl.get("fresh_epoch")) is not bool:
+        raise bad("['loops']['fit_loop']['fresh_epoch']", "a bool", fl.get("fresh_epoch"))
+    for key, types, want in (
+        ("loader_states_by_process", (list, type(None)), "a list or None"),
+        ("train_metrics", (dict, type(None)), "a dict or None"),
+    ):
+        if not isinstance(fl.get(key), types):
+            raise bad(f"['loops']['fit_loop'][{key!r}]", want, fl.get(key))
+    for key, types, want in (
+        ("hyper_parameters", (dict,), "a dict"),
+        ("datamodule_hyper_parameters", (dict,), "a dict"),
+        ("callbacks", (dict,), "a dict"),
+        ("loggers", (list,), "a list"),
+        ("datamodule", (dict,), "a dict"),
+    ):
+        if key in ckpt and not isinstance(ckpt[key], types):
+            raise bad(f"[{key!r}]", want, ckpt[key])
+    if not all(isinstance(k, str) for k in ckpt.get("hyper_parameters", {})):
+        raise CheckpointError(f"checkpoint metadata {where} is malformed: hyperparameter names must be strings")
+    if not all(isinstance(s, dict) for s in ckpt.get("loggers", [])):
+        raise bad("['loggers'][i]", "a dict", next(s for s in ckpt["loggers"] if not isinstance(s, dict)))
+    if "datamodule" in ckpt and "state" not in ckpt["datamodule"]:
+        raise CheckpointError(f"checkpoint metadata {where} is malformed: checkpoint['datamodule'] has no 'state'")
 
 
 def list_checkpoints(dirpath: str | os.PathLike) -> list[Path]:
@@ -421,7 +704,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | os.PathLike) -> Path:
                 return _check_path(cb.best_model_path)
         last = find_last(_search_dirs(trainer))
         if last is not None:
-            cbs = host_checkpoint(read_meta(last)).get("callbacks", {})
+            cbs = host_checkpoint(read_meta(last), last).get("callbacks", {})
             for cb in trainer.checkpoint_callbacks:
                 best = cbs.get(cb.state_key, {}).get("best_model_path")
                 if best:
@@ -553,6 +836,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
     """
     path = resolve_ckpt_path(trainer, ckpt_path)
     meta = read_meta(path)
+    ckpt = host_checkpoint(meta, path)  # decoded (and checked) before anything is written into the trainer
     fit = stage == "fit"
     if fit and meta.get("weights_only"):
         raise CheckpointError(
@@ -575,7 +859,6 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         trainer.train_state = trainer.train_state._replace(params=params, rest=rest)
     trainer._write_back(params, rest)
 
-    ckpt = host_checkpoint(meta)
     module = trainer.lightning_module
     if fit:
         fl = ckpt["loops"]["fit_loop"]
@@ -649,7 +932,7 @@ def load_module_from_checkpoint(
 
     path = _check_path(checkpoint_path)
     meta = read_meta(path)
-    ckpt = host_checkpoint(meta)
+    ckpt = host_checkpoint(meta, path)
     hp = dict(ckpt.get("hyper_parameters") or {})
     sig = inspect.signature(cls.__init__)
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
@@ -690,7 +973,9 @@ def load_module_from_checkpoint(
 
 
 __all__ = [
+    "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointMeta",
     "Preempted",
     "dump_checkpoint",
     "find_last",
