@@ -1,6 +1,20 @@
 """Model-side helpers: logical-axis constraints and adapters for models written elsewhere."""
 
+from jaxlight.nn.attention import attention
 from jaxlight.nn.constrain import axis_rules, constrain
-from jaxlight.nn.linen import from_linen
+from jaxlight.nn.equinox import EquinoxBuffer, EquinoxModule, EquinoxState, from_equinox
+from jaxlight.nn.layer_stack import LayerStack
+from jaxlight.nn.linen import LinenModule, from_linen
 
-__all__ = ["axis_rules", "constrain", "from_linen"]
+__all__ = [
+    "LayerStack",
+    "attention",
+    "axis_rules",
+    "constrain",
+    "from_linen",
+    "LinenModule",
+    "from_equinox",
+    "EquinoxModule",
+    "EquinoxState",
+    "EquinoxBuffer",
+]
