@@ -82,6 +82,11 @@ class LightningModule(ModelHooks, DataHooks):
     ``predict_step``) are traced once each into compiled programs: they must
     be jax-traceable, and ``batch_idx`` arrives as a traced int32 scalar.
     ``self.log`` follows Lightning's defaults and reductions.
+
+    As a torch module does, it is callable (``model(x)`` runs ``forward``),
+    has ``train()`` / ``eval()`` (switching every NNX attribute between
+    dropout/batch-statistics and deterministic/running-average behaviour)
+    and ``freeze()`` / ``unfreeze()``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,6 +95,8 @@ class LightningModule(ModelHooks, DataHooks):
         self._hparams: AttributeDict = AttributeDict()
         self._hparams_initial: AttributeDict = AttributeDict()
         self._collector: Collector | None = None
+        self._training: bool = True
+        self._frozen: bool = False
 
     # -- hyperparameters -------------------------------------------------
     def save_hyperparameters(
@@ -148,6 +155,80 @@ class LightningModule(ModelHooks, DataHooks):
         if jax.process_index() == 0:
             print(*args, **kwargs)
 
+    # -- torch.nn.Module behaviour ---------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """What ``model(x)`` computes; override it as in Lightning.
+
+        The default calls the module's only NNX model (e.g. ``self.net``) with
+        the arguments; a module with several NNX models must define it.
+        """
+        models = nnx_attributes(self)
+        if len(models) == 1:
+            return next(iter(models.values()))(*args, **kwargs)
+        have = f"NNX models {sorted(models)}" if models else "no NNX model yet (configure_model creates them)"
+        raise NotImplementedError(
+            f"{type(self).__name__} has {have}, so model(...) has no default: define forward(self, ...) "
+            f"(or predict_step, whose default calls it)"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    @property
+    def training(self) -> bool:
+        """True in ``training_step`` and after ``train()``; False in the eval steps and after ``eval()``."""
+        if self._collector is not None:  # inside a traced step: the stage decides, as Lightning's loops do
+            return self._collector.stage == "train"
+        return self._training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # torch code assigns it directly at times
+        self._training = bool(mode)
+
+    def train(self, mode: bool = True) -> LightningModule:
+        """Put every NNX attribute in training mode (dropout on, BatchNorm on batch statistics and
+        updating its running averages), or in eval mode with ``mode=False``; returns ``self``.
+
+        Nested LightningModule attributes follow, as torch's ``train()`` recurses. The
+        trainer compiles its steps in the right mode whatever the mode set here;
+        this is for calling the module yourself (``model(x)``).
+        """
+        if not isinstance(mode, bool):
+            raise ValueError(f"train(mode) expects a bool, got {mode!r}")
+        for m in nnx_attributes(self).values():
+            m.train() if mode else m.eval()
+        for child in vars(self).values():
+            if isinstance(child, LightningModule) and child is not self:
+                child.train(mode)
+        self._training = mode
+        return self
+
+    def eval(self) -> LightningModule:
+        """``train(False)``: dropout off, BatchNorm on its running statistics; returns ``self``."""
+        return self.train(False)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether ``freeze()`` was called (and ``unfreeze()`` not since)."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """Freeze for inference, as Lightning's ``freeze()``: eval mode, and ``frozen`` is True.
+
+        A jax parameter has no ``requires_grad``: what the trainer optimizes is
+        decided by the optimizer. A frozen module is not meant to be fitted
+        (``unfreeze()`` first); to train part of a model with the rest fixed,
+        mask the optimizer (``optax.multi_transform`` with ``optax.set_to_zero()``
+        for the fixed parameter paths, see docs/porting_torch.md).
+        """
+        self.eval()
+        self._frozen = True
+
+    def unfreeze(self) -> None:
+        """Undo ``freeze()``: training mode, ``frozen`` is False."""
+        self._frozen = False
+        self.train()
+
     # -- user-facing definitions -----------------------------------------------
     def configure_model(self) -> None:
         """Create the flax NNX modules. Called by the trainer under its mesh and
@@ -171,12 +252,9 @@ class LightningModule(ModelHooks, DataHooks):
     def test_step(self, batch: Any, batch_idx: Any) -> Any:
         raise NotImplementedError
 
-    def predict_step(self, batch: Any, batch_idx: Any) -> Any:
-        """Defaults to calling the module's only NNX model on the batch."""
-        models = nnx_attributes(self)
-        if len(models) != 1:
-            raise NotImplementedError(f"{type(self).__name__} must implement predict_step(batch, batch_idx)")
-        return next(iter(models.values()))(batch)
+    def predict_step(self, batch: Any, batch_idx: Any = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's default: ``self(batch)``, i.e. ``forward`` (by default the module's only NNX model)."""
+        return self(batch)
 
     def _overrides(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(LightningModule, name)
@@ -257,6 +335,11 @@ class LightningModule(ModelHooks, DataHooks):
         """Temporarily point the NNX attributes at ``models`` (traced copies)."""
         saved = {k: self.__dict__.get(k) for k in models}
         saved_col = self._collector
+        # The precision policy prepares the traced copies (e.g. BatchNorm keeping bf16 activations).
+        # Idempotent, so it stays correct once the step builder calls it itself.
+        precision = getattr(self._trainer, "precision_plugin", None)
+        if precision is not None and hasattr(precision, "bind"):
+            precision.bind(models)
         try:
             for k, m in models.items():
                 object.__setattr__(self, k, m)

@@ -1,0 +1,887 @@
+"""PyTorch weights into flax NNX models: ``load_torch_weights``.
+
+A torch ``state_dict`` names tensors by module path (``encoder.0.weight``) and
+stores them in torch's layouts; an NNX model names variables by attribute path
+(``encoder/layers/0/kernel``) in flax's layouts. This module walks the NNX
+model, derives for each variable the torch key its twin would use and the
+layout conversion from the NNX module type found at that path, checks every
+key and shape before touching the model, then reads, converts and places one
+tensor at a time directly onto the sharding the variable already has.
+
+Rules (torch key relative to the module -> NNX variable):
+
+========================================  ==============================  ==========================
+NNX module (torch module)                 torch key -> NNX variable       layout
+========================================  ==============================  ==========================
+``nnx.Linear`` (``nn.Linear``)            weight -> kernel, bias          (out, in) -> (in, out)
+``nnx.Conv`` (``nn.Conv1d/2d/3d``)        weight -> kernel, bias          (O, I/g, *k) -> (*k, I/g, O)
+``nnx.Embed`` (``nn.Embedding``)          weight -> embedding             same
+``nnx.LayerNorm/RMSNorm/GroupNorm/``      weight -> scale, bias           same
+``InstanceNorm``
+``nnx.BatchNorm`` (``nn.BatchNorm*d``)    weight -> scale, bias,          same; ``num_batches_tracked``
+                                          running_mean -> mean,           is accepted and ignored
+                                          running_var -> var
+``nnx.MultiHeadAttention``                in_proj_weight -> query/key/    (3E, in) split in three, each
+(``nn.MultiheadAttention``)               value kernel (or q/k/v_proj_    transposed to (in, heads,
+                                          weight), in_proj_bias -> q/k/v  head_dim); out_proj.weight ->
+                                          bias, out_proj.weight/bias ->   out/kernel (heads, head_dim,
+                                          out/kernel, out/bias            out)
+any other variable (custom ``nnx.Param``  its attribute name              same
+or buffer)
+========================================  ==============================  ==========================
+
+Path components map one to one (``blocks/0`` <-> ``blocks.0``), except that
+``nnx.Sequential``'s ``layers`` component is dropped (``seq/layers/2`` <->
+``seq.2``), as torch's ``nn.Sequential`` numbers its children directly. RNG
+state, caches and intermediates are never loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import ml_dtypes  # also registers bfloat16 & co. with numpy, so safetensors can return them
+import numpy as np
+from flax import nnx
+
+Mapping_ = Mapping[str, str | None] | Callable[[str], str | None]
+
+
+class TorchWeightsError(ValueError):
+    """The source does not fit the model. ``missing``, ``unexpected`` and ``mismatched`` list every
+    problem found (torch-style keys); nothing was loaded."""
+
+    def __init__(
+        self, message: str, missing: list[str] = (), unexpected: list[str] = (), mismatched: list[str] = ()
+    ) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_torch_weights(..., strict=False)`` skipped, as torch's ``load_state_dict`` reports it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# ----------------------------------------------------------------------------------------- public API
+def load_torch_weights(
+    model: Any,
+    source: Any,
+    *,
+    mapping: Mapping_ | None = None,
+    strict: bool = True,
+) -> IncompatibleKeys:
+    """Load PyTorch weights into the NNX model ``model`` in place.
+
+    ``model``: a ``flax.nnx.Module`` (concrete, sharded by a trainer, or
+    abstract from ``nnx.eval_shape``), or a ``jaxlight.LightningModule``, whose
+    NNX attributes are addressed by attribute name (``net.l1.weight``) as in a
+    Lightning checkpoint's ``state_dict``.
+
+    ``source``: a ``state_dict`` (a mapping of torch tensors or numpy/jax
+    arrays), a ``torch.nn.Module`` (its ``state_dict()``; its settings are also
+    compared with the NNX twin's and differences the weights do not carry,
+    such as BatchNorm momentum, epsilons, conv padding or head counts, are
+    reported in one warning), or a path to a ``.pt``/``.pth``/``.bin``/``.ckpt``
+    file (read with ``torch.load(weights_only=True, mmap=True)``: never
+    unpickled), a ``.safetensors`` file, a sharded checkpoint's
+    ``*.index.json``, or a directory holding one of those
+    (``model.safetensors``, ``pytorch_model.bin`` ...).
+
+    ``mapping`` renames source keys to the torch-style names of ``model``
+    (see ``torch_names``) before matching: a dict maps a key or a key prefix
+    (whole components: ``{"backbone": "encoder"}`` renames
+    ``backbone.0.weight`` to ``encoder.0.weight``; ``{"model.": ""}`` strips a
+    prefix) to a new name, or to None to drop it; a callable gets each key and
+    returns the new name or None.
+
+    Guarantees: every key and shape is checked before anything is loaded; with
+    ``strict=True`` one ``TorchWeightsError`` lists every missing, unexpected
+    and mis-shaped key; with ``strict=False`` missing and unexpected keys are
+    returned instead (mis-shaped ones still raise). Each tensor is read,
+    converted to the variable's layout and dtype, and placed onto the
+    variable's current sharding on its own (each device receives only its
+    slice, via ``jax.make_array_from_callback``), so the host never holds more
+    than one tensor and the model is never gathered on one device.
+    """
+    roots = _roots(model)
+    src = _open_source(source)
+    try:
+        renamed = _rename(src.names(), mapping)
+        targets, ignored = _plan(roots, set(renamed))
+        missing, unexpected, mismatched = _check(targets, ignored, renamed, src)
+        if mismatched or (strict and (missing or unexpected)):
+            raise _mismatch_error(model, targets, renamed, missing, unexpected, mismatched, strict)
+        unset = [t.path for t in targets if t.key in missing and not _is_concrete(t.var.get_value())]
+        if unset:
+            raise TorchWeightsError(
+                f"strict=False, but the model is abstract and the source has no value for {len(unset)} "
+                f"variable(s): {unset[:20]}{' ...' if len(unset) > 20 else ''}; they would stay without data",
+                missing=[t.key for t in targets if t.key in missing],
+            )
+        if src.torch_module is not None:
+            _warn_setting_differences(targets, renamed, src.torch_module)
+        _load(targets, renamed, src)
+    finally:
+        src.close()
+    return IncompatibleKeys(sorted(missing), sorted(unexpected))
+
+
+def torch_names(model: Any) -> dict[str, str]:
+    """The torch-style key each loadable variable of ``model`` expects, mapped to its NNX path.
+
+    Use it to write a ``mapping`` for ``load_torch_weights``: compare its keys
+    with ``torch_model.state_dict().keys()``. A torch key feeding several NNX
+    variables (``nn.MultiheadAttention``'s packed ``in_proj_weight``) maps to
+    their paths joined by ", ".
+    """
+    targets, _ = _plan(_roots(model), set())
+    out: dict[str, list[str]] = {}
+    for t in targets:
+        out.setdefault(t.key, []).append(t.path)
+    return {k: ", ".join(v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------- planning
+class _Target(NamedTuple):
+    path: str  # NNX path, "net/l1/kernel"
+    var: nnx.Variable  # the live variable to set
+    key: str  # torch-style key in the model's naming
+    expect: tuple[int, ...]  # the source shape this variable needs
+    convert: Callable[[np.ndarray], np.ndarray]  # source layout -> variable layout (views where possible)
+    module: nnx.Module
+    rule: str
+
+
+def _roots(model: Any) -> dict[str, nnx.Module]:
+    if isinstance(model, nnx.Module):
+        return {"": model}
+    from jaxlight.module import LightningModule
+
+    if isinstance(model, LightningModule):
+        from jaxlight.state import nnx_attributes
+
+        models = nnx_attributes(model)
+        if not models:
+            raise TypeError(
+                f"{type(model).__name__} holds no flax.nnx.Module attribute to load into (a module built in "
+                f"configure_model exists only once a Trainer has set it up)"
+            )
+        return models
+    raise TypeError(f"load_torch_weights needs a flax.nnx.Module or a LightningModule, got {type(model).__name__}")
+
+
+_SKIP_VARIABLES = (nnx.RngState, nnx.Cache, nnx.Intermediate)
+_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm)
+
+
+def _plan(roots: Mapping[str, nnx.Module], available: set[str]) -> tuple[list[_Target], set[str]]:
+    """Every loadable NNX variable with its torch key, expected source shape and conversion."""
+    ordered: list[tuple[tuple, _Target]] = []  # (owner path, target): a rule's targets stay in its order
+    ignored: set[str] = set()
+    for root_name, root in roots.items():
+        modules = dict(nnx.iter_modules(root))
+        variables = {p: v for p, v in nnx.iter_graph(root) if isinstance(v, nnx.Variable)}
+
+        def torch_key(path: tuple, _modules=modules, _root=root_name) -> str:
+            parts = [_root] if _root else []
+            for i, comp in enumerate(path):
+                if comp == "layers" and isinstance(_modules.get(tuple(path[:i])), nnx.Sequential):
+                    continue
+                parts.append(str(comp))
+            return ".".join(parts)
+
+        def nnx_path(path: tuple, _root=root_name) -> str:
+            return "/".join(([_root] if _root else []) + [str(c) for c in path])
+
+        claimed: set[int] = set()
+        for mpath in sorted(modules, key=len):
+            mod = modules[mpath]
+            found = _module_targets(mod, mpath, torch_key, nnx_path, available, ignored)
+            for t in found:
+                if id(t.var) not in claimed:
+                    claimed.add(id(t.var))
+                    ordered.append((_natural((root_name, *mpath)), t))
+            if isinstance(mod, nnx.MultiHeadAttention):  # its projections are covered by its own rule
+                for child in ("query", "key", "value", "out"):
+                    for v in vars(getattr(mod, child)).values():
+                        if isinstance(v, nnx.Variable):
+                            claimed.add(id(v))
+        for vpath, var in variables.items():
+            if id(var) in claimed or isinstance(var, _SKIP_VARIABLES) or not hasattr(var.get_value(), "shape"):
+                continue
+            shape = tuple(var.get_value().shape)
+            owner = modules.get(tuple(vpath[:-1]))
+            rule = type(owner).__name__ + " (as is)"
+            target = _Target(nnx_path(vpath), var, torch_key(vpath), shape, _same, owner, rule)
+            ordered.append((_natural((root_name, *vpath)), target))
+            claimed.add(id(var))
+    # the model's order (as nnx.state lists it, numbers in numeric order); a module's variables in its
+    # rule's order, which is torch's (weight before bias, q/k/v)
+    ordered.sort(key=lambda pair: pair[0])
+    return [t for _, t in ordered], ignored
+
+
+def _natural(path: tuple) -> tuple:
+    return tuple((0, c, "") if isinstance(c, int) else (1, 0, str(c)) for c in path)
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def _module_targets(mod, mpath, torch_key, nnx_path, available, ignored) -> list[_Target]:
+    """The rule for one NNX module type (empty when the type has none)."""
+
+    def var(name: str):
+        v = vars(mod).get(name)
+        return v if isinstance(v, nnx.Variable) and hasattr(v.get_value(), "shape") else None
+
+    def shape(v) -> tuple[int, ...]:
+        return tuple(v.get_value().shape)
+
+    def t(name: str, torch_name: str, expect, convert, rule: str) -> list[_Target]:
+        v = var(name)
+        if v is None:
+            return []
+        key = torch_key(mpath + (torch_name,))
+        return [_Target(nnx_path(mpath + (name,)), v, key, tuple(expect(shape(v))), convert, mod, rule)]
+
+    ident = (lambda s: s), _same
+    if isinstance(mod, nnx.Linear):
+        return t("kernel", "weight", lambda s: s[::-1], _transpose, "Linear: weight.T") + t(
+            "bias", "bias", *ident, "Linear"
+        )
+    if isinstance(mod, nnx.Conv):
+        return t("kernel", "weight", _conv_source_shape, _conv_to_flax, "Conv: OI* -> *IO") + t(
+            "bias", "bias", *ident, "Conv"
+        )
+    if isinstance(mod, nnx.Embed):
+        return t("embedding", "weight", *ident, "Embedding")
+    if isinstance(mod, nnx.BatchNorm):
+        ignored.add(torch_key(mpath + ("num_batches_tracked",)))
+        return (
+            t("scale", "weight", *ident, "BatchNorm")
+            + t("bias", "bias", *ident, "BatchNorm")
+            + t("mean", "running_mean", *ident, "BatchNorm: running stats")
+            + t("var", "running_var", *ident, "BatchNorm: running stats")
+        )
+    if isinstance(mod, _NORMS):
+        name = type(mod).__name__
+        return t("scale", "weight", *ident, name) + t("bias", "bias", *ident, name)
+    if isinstance(mod, nnx.MultiHeadAttention):
+        return _mha_targets(mod, mpath, torch_key, nnx_path, available)
+    return []
+
+
+def _transpose(a: np.ndarray) -> np.ndarray:
+    return a.T
+
+
+def _conv_source_shape(kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+    *k, i, o = kernel_shape
+    return (o, i, *k)
+
+
+def _conv_to_flax(w: np.ndarray) -> np.ndarray:
+    n = w.ndim - 2
+    return w.transpose((*range(2, n + 2), 1, 0))
+
+
+def _mha_targets(mod, mpath, torch_key, nnx_path, available) -> list[_Target]:
+    """nn.MultiheadAttention: packed (or separate) q/k/v projections split per head."""
+    proj = {name: getattr(mod, name) for name in ("query", "key", "value", "out")}
+    rows = []  # (name, rows in the packed tensor)
+    for name in ("query", "key", "value"):
+        k = proj[name].kernel.get_value()
+        rows.append((name, math.prod(k.shape[1:])))
+    total = sum(r for _, r in rows)
+    packed_key = torch_key(mpath + ("in_proj_weight",))
+    separate = torch_key(mpath + ("q_proj_weight",)) in available and packed_key not in available
+    same_in = len({proj[n].kernel.get_value().shape[0] for n in ("query", "key", "value")}) == 1
+    use_packed = not separate and (same_in or packed_key in available)
+    out: list[_Target] = []
+    start = 0
+    for name, n in rows:
+        kvar = proj[name].kernel
+        kshape = tuple(kvar.get_value().shape)  # (in, heads, head_dim)
+        sl = slice(start, start + n)
+        if use_packed:
+            key, expect = packed_key, (total, kshape[0])
+            convert = _PackedSlice(sl, kshape, transpose=True)
+        else:
+            key = torch_key(mpath + (f"{name[0]}_proj_weight",))
+            expect, convert = (n, kshape[0]), _PackedSlice(slice(None), kshape, transpose=True)
+        out.append(_Target(nnx_path(mpath + (name, "kernel")), kvar, key, expect, convert, mod, "MHA: in_proj split"))
+        bvar = getattr(proj[name], "bias", None)
+        if isinstance(bvar, nnx.Variable) and hasattr(bvar.get_value(), "shape"):
+            bshape = tuple(bvar.get_value().shape)
+            out.append(
+                _Target(
+                    nnx_path(mpath + (name, "bias")),
+                    bvar,
+                    torch_key(mpath + ("in_proj_bias",)),
+                    (total,),
+                    _PackedSlice(sl, bshape, transpose=False),
+                    mod,
+                    "MHA: in_proj_bias split",
+                )
+            )
+        start += n
+    o = proj["out"]
+    oshape = tuple(o.kernel.get_value().shape)  # (heads, head_dim, out)
+    out.append(
+        _Target(
+            nnx_path(mpath + ("out", "kernel")),
+            o.kernel,
+            torch_key(mpath + ("out_proj", "weight")),
+            (oshape[-1], oshape[0] * oshape[1]),
+            _OutProj(oshape),
+            mod,
+            "MHA: out_proj.weight.T per head",
+        )
+    )
+    obias = getattr(o, "bias", None)
+    if isinstance(obias, nnx.Variable) and hasattr(obias.get_value(), "shape"):
+        out.append(
+            _Target(
+                nnx_path(mpath + ("out", "bias")),
+                obias,
+                torch_key(mpath + ("out_proj", "bias")),
+                tuple(obias.get_value().shape),
+                _same,
+                mod,
+                "MHA",
+            )
+        )
+    return out
+
+
+class _PackedSlice:
+    """Rows ``sl`` of a (packed) projection, optionally transposed, reshaped to the NNX variable."""
+
+    def __init__(self, sl: slice, shape: tuple[int, ...], transpose: bool) -> None:
+        self.sl, self.shape, self.transpose = sl, shape, transpose
+
+    def __call__(self, a: np.ndarray) -> np.ndarray:
+        a = a[self.sl]
+        return (a.T if self.transpose else a).reshape(self.shape)
+
+
+class _OutProj:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def __call__(self, a: np.ndarray) -> np.ndarray:
+        return a.T.reshape(self.shape)
+
+
+# ----------------------------------------------------------------------------------------- checking
+def _rename(keys: Iterable[str], mapping: Mapping_ | None) -> dict[str, str]:
+    """``{new key: source key}`` after applying ``mapping``; dropped keys are left out."""
+    out: dict[str, str] = {}
+    clashes: dict[str, list[str]] = {}
+    if mapping is not None and not (callable(mapping) or isinstance(mapping, Mapping)):
+        raise TypeError(f"mapping must be a dict or a callable, got {type(mapping).__name__}")
+    for key in keys:
+        new = _apply_mapping(key, mapping)
+        if new is None:
+            continue
+        if not isinstance(new, str):
+            raise TypeError(f"mapping returned {new!r} for {key!r}; it must return a str or None")
+        if new in out:
+            clashes.setdefault(new, [out[new]]).append(key)
+        out[new] = key
+    if clashes:
+        listed = "; ".join(f"{sorted(v)} -> {k!r}" for k, v in sorted(clashes.items()))
+        raise TorchWeightsError(f"mapping sends several source keys to the same name: {listed}")
+    return out
+
+
+def _apply_mapping(key: str, mapping: Mapping_ | None) -> str | None:
+    if mapping is None:
+        return key
+    if not isinstance(mapping, Mapping):
+        return mapping(key)
+    if key in mapping:
+        return mapping[key]
+    best = None
+    for prefix in mapping:
+        if key.startswith(prefix) and (prefix.endswith(".") or key[len(prefix) : len(prefix) + 1] == "."):
+            if best is None or len(prefix) > len(best):
+                best = prefix
+    if best is None:
+        return key
+    new = mapping[best]
+    if new is None:
+        return None
+    rest = key[len(best) :]
+    return rest.lstrip(".") if new == "" else new + rest
+
+
+def _check(targets, ignored, renamed, src) -> tuple[set[str], set[str], dict[str, tuple]]:
+    used = set()
+    missing: set[str] = set()
+    mismatched: dict[str, tuple] = {}
+    for t in targets:
+        if t.key not in renamed:
+            missing.add(t.key)
+            continue
+        used.add(t.key)
+        got = src.shape(renamed[t.key])
+        if got is None:
+            mismatched[t.key] = ("not an array", t)
+        elif tuple(got) != tuple(t.expect):
+            mismatched[t.key] = (tuple(got), t)
+    unexpected = {k for k in renamed if k not in used and k not in ignored}
+    return missing, unexpected, mismatched
+
+
+def _mismatch_error(model, targets, renamed, missing, unexpected, mismatched, strict) -> TorchWeightsError:
+    by_key: dict[str, list[_Target]] = {}
+    for t in targets:
+        by_key.setdefault(t.key, []).append(t)
+    name = type(model).__name__
+    head = [f"{len(missing)} missing", f"{len(unexpected)} unexpected", f"{len(mismatched)} mis-shaped"]
+    lines = [f"cannot load the torch weights into {name}: {', '.join(head)} key(s); nothing was loaded"]
+
+    def src_name(k: str) -> str:
+        return k if renamed.get(k, k) == k else f"{k} (source key {renamed[k]!r})"
+
+    if missing:
+        lines.append("missing (the model has them, the source does not):")
+        for k in sorted(missing):
+            vs = by_key[k]
+            lines.append(f"  {k}  -> {', '.join(v.path for v in vs)} {_shape_note(vs[0])}")
+    if unexpected:
+        lines.append("unexpected (in the source, not in the model):")
+        for k in sorted(unexpected):
+            close = difflib.get_close_matches(k, sorted(missing), n=1, cutoff=0.6)
+            hint = f"  (did you mean {close[0]!r}? rename with mapping=)" if close else ""
+            lines.append(f"  {src_name(k)}{hint}")
+    if mismatched:
+        lines.append("mis-shaped (source shape vs the shape this model needs):")
+        for k in sorted(mismatched):
+            got, t = mismatched[k]
+            paths = ", ".join(v.path for v in by_key[k])
+            lines.append(f"  {src_name(k)}: source {got}, expected {t.expect} for {paths} ({t.rule})")
+    no_rule = sorted(
+        {type(t.module).__name__ for t in targets if t.key in missing and t.rule.endswith("(as is)") and t.module}
+        - {"Module"}
+    )
+    if no_rule and missing:
+        lines.append(
+            f"variables of {no_rule} are matched by their NNX name, as is (no torch layout rule for these types)"
+        )
+    if strict and (missing or unexpected):
+        lines.append("rename keys with mapping=..., or pass strict=False to skip missing and unexpected keys")
+    return TorchWeightsError(
+        "\n".join(lines),
+        missing=sorted(missing),
+        unexpected=sorted(unexpected),
+        mismatched=sorted(mismatched),
+    )
+
+
+def _shape_note(t: _Target) -> str:
+    return f"{tuple(t.var.get_value().shape)}"
+
+
+# ----------------------------------------------------------------------------------------- loading
+def _is_concrete(v: Any) -> bool:
+    return isinstance(v, (jax.Array, np.ndarray)) and not isinstance(v, jax.core.Tracer)
+
+
+def _load(targets: list[_Target], renamed: dict[str, str], src: _Source) -> None:
+    for t in targets:
+        if isinstance(t.var.get_value(), jax.core.Tracer):
+            raise RuntimeError(
+                f"load_torch_weights was called inside a jax transformation ({t.path} is a tracer): it reads "
+                f"files and places arrays, so call it outside jit/eval_shape (not in configure_model); load "
+                f"into the module after the trainer has built it, or into a model created outside the trainer"
+            )
+    by_source: dict[str, list[_Target]] = {}
+    for t in targets:
+        if t.key in renamed:
+            by_source.setdefault(renamed[t.key], []).append(t)
+    for skey in src.names():  # file order: sequential reads of a memory-mapped file
+        group = by_source.get(skey)
+        if not group:
+            continue
+        raw = src.read(skey)
+        for t in group:
+            t.var.set_value(_place(t.convert(raw), t.var.get_value()))
+        del raw  # one tensor at a time
+
+
+def _place(full: np.ndarray, current: Any) -> jax.Array:
+    """Build the new value on the sharding ``current`` has; each device gets only its slice."""
+    shape, dtype = tuple(current.shape), np.dtype(current.dtype)
+    sharding = getattr(current, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    cache: dict[Any, np.ndarray] = {}  # replicas of the same slice are read once
+
+    def slice_for(index: tuple) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
+        if key not in cache:
+            cache[key] = np.array(full[index], dtype=dtype)  # a copy: never alias a memory-mapped file
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, slice_for)
+
+
+# ----------------------------------------------------------------------------------------- sources
+class _Source:
+    """Keys, shapes (without reading data) and one tensor at a time as numpy."""
+
+    torch_module: Any = None
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        raise NotImplementedError
+
+    def read(self, key: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _MappingSource(_Source):
+    def __init__(self, d: Mapping[str, Any], origin: str = "the state_dict") -> None:
+        bad = [k for k in d if not isinstance(k, str)]
+        if bad:
+            raise TorchWeightsError(f"{origin} has non-string keys: {bad[:5]}")
+        self.d, self.origin = d, origin
+
+    def names(self) -> list[str]:
+        return list(self.d)
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        v = self.d[key]
+        return tuple(v.shape) if hasattr(v, "shape") and hasattr(v, "dtype") else None
+
+    def read(self, key: str) -> np.ndarray:
+        return _to_numpy(self.d[key], f"{key!r} of {self.origin}")
+
+
+def _to_numpy(v: Any, what: str) -> np.ndarray:
+    if type(v).__module__.startswith("torch"):
+        import torch
+
+        if isinstance(v, torch.Tensor):
+            t = v.detach()
+            if t.is_meta:
+                raise TorchWeightsError(f"{what} is a meta tensor: it has no data to load")
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+            try:
+                return t.numpy()
+            except TypeError:  # dtypes numpy lacks (float8, ...): go through float32
+                return t.float().numpy()
+    return np.asarray(v)
+
+
+class _SafetensorsSource(_Source):
+    def __init__(self, path: str) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise ModuleNotFoundError(
+                f"reading {path} needs the safetensors package (no torch required): pip install safetensors",
+                name="safetensors",
+            ) from e
+
+        self.path = path
+        try:
+            self._cm = safe_open(path, framework="numpy")
+            self.f = self._cm.__enter__()
+            self._keys = list(self.f.keys())
+        except Exception as e:
+            raise TorchWeightsError(f"cannot read safetensors file {path}: {e}") from e
+
+    def names(self) -> list[str]:
+        return self._keys
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.f.get_slice(key).get_shape())
+
+    def read(self, key: str) -> np.ndarray:
+        try:
+            return self.f.get_tensor(key)
+        except Exception as e:
+            raise TorchWeightsError(f"cannot read tensor {key!r} from {self.path}: {e}") from e
+
+    def close(self) -> None:
+        self._cm.__exit__(None, None, None)
+
+
+def _torch_file(path: str) -> _MappingSource:
+    import pickle
+
+    from jaxlight.imports import require
+
+    require("torch", f"reading the torch file {path}")
+    import torch
+
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e) and "zipfile" not in str(e):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        if found is None:
+            detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+            raise TorchWeightsError(
+                f"cannot read torch file {path}: not a torch.save file of tensors"
+                + (f" ({detail.group(1).strip()})" if detail else f" ({text.splitlines()[0]})")
+            ) from e
+        raise TorchWeightsError(
+            f"{path} holds Python objects besides tensors ({found.group(1)}), and jaxlight never unpickles "
+            f"files (torch.load(weights_only=True)); save only the weights: torch.save(model.state_dict(), path)"
+        ) from e
+    except Exception as e:
+        raise TorchWeightsError(f"cannot read torch file {path}: {type(e).__name__}: {e}") from e
+    return _MappingSource(_state_dict_of(obj, path), path)
+
+
+def _state_dict_of(obj: Any, origin: str) -> Mapping[str, Any]:
+    """The tensors of a loaded file: a plain state_dict, or one nested under a usual key."""
+
+    def is_tensors(d: Any) -> bool:
+        return isinstance(d, Mapping) and all(hasattr(v, "shape") for v in d.values())
+
+    if is_tensors(obj):
+        return obj
+    if isinstance(obj, Mapping):
+        for k in ("state_dict", "model", "module", "model_state_dict"):
+            if is_tensors(obj.get(k)):
+                return obj[k]
+        kinds = {k: type(v).__name__ for k, v in list(obj.items())[:10]}
+        raise TorchWeightsError(
+            f"{origin} is a dict but not a state_dict (top-level entries: {kinds}); pass the state_dict "
+            f"itself, e.g. load_torch_weights(model, torch.load(path, weights_only=True)['<key>'])"
+        )
+    raise TorchWeightsError(f"{origin} holds a {type(obj).__name__}, not a state_dict")
+
+
+class _IndexSource(_Source):
+    """A sharded checkpoint: ``{"weight_map": {key: file}}`` next to its files, opened lazily."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            self.weight_map: dict[str, str] = dict(data["weight_map"])
+        except Exception as e:
+            raise TorchWeightsError(f"cannot read checkpoint index {path}: {type(e).__name__}: {e}") from e
+        self.dir = os.path.dirname(os.path.abspath(path))
+        self._open: dict[str, _Source] = {}
+
+    def _file(self, key: str) -> _Source:
+        name = self.weight_map[key]
+        if name not in self._open:
+            self._open[name] = _file_source(os.path.join(self.dir, name))
+        return self._open[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.weight_map, key=lambda k: (self.weight_map[k], k))  # file by file
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        return self._file(key).shape(key)
+
+    def read(self, key: str) -> np.ndarray:
+        return self._file(key).read(key)
+
+    def close(self) -> None:
+        for s in self._open.values():
+            s.close()
+
+
+_DIR_CANDIDATES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _file_source(path: str) -> _Source:
+    if os.path.isdir(path):
+        for name in _DIR_CANDIDATES:
+            if os.path.exists(os.path.join(path, name)):
+                return _file_source(os.path.join(path, name))
+        raise TorchWeightsError(f"directory {path} holds none of {list(_DIR_CANDIDATES)}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such weights file: {path}")
+    if path.endswith(".safetensors"):
+        return _SafetensorsSource(path)
+    if path.endswith(".json"):
+        return _IndexSource(path)
+    if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return _torch_file(path)
+    raise TorchWeightsError(
+        f"{path}: unknown weights format; expected .safetensors, .pt, .pth, .bin, .ckpt, an *.index.json or a directory"
+    )
+
+
+def _open_source(source: Any) -> _Source:
+    if isinstance(source, (str, os.PathLike)):
+        return _file_source(os.fspath(source))
+    if type(source).__module__.startswith("torch") or hasattr(source, "state_dict"):
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - no torch, so it cannot be a torch module
+            torch = None
+        if torch is not None and isinstance(source, torch.nn.Module):
+            src = _MappingSource(source.state_dict(), f"{type(source).__name__}.state_dict()")
+            src.torch_module = source
+            return src
+    if isinstance(source, Mapping):
+        return _MappingSource(source)
+    raise TypeError(
+        f"source must be a state_dict, a torch.nn.Module or a path to a weights file, got {type(source).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------------------- settings check
+def _warn_setting_differences(targets: list[_Target], renamed: dict[str, str], torch_module: Any) -> None:
+    """Compare what the weights do not carry (epsilons, momentum, conv geometry, heads) and warn once."""
+    named = dict(torch_module.named_modules())
+    seen: set[int] = set()
+    notes: list[str] = []
+    for t in targets:
+        if id(t.module) in seen or t.key not in renamed:
+            continue
+        src_key = renamed[t.key]
+        tname = src_key.rsplit(".", 1)[0] if "." in src_key else ""
+        if isinstance(t.module, nnx.MultiHeadAttention) and tname.endswith(".out_proj"):
+            continue  # the packed in_proj key names the attention module itself
+        tmod = named.get(tname)
+        if tmod is None:
+            continue
+        seen.add(id(t.module))
+        npath = t.path.rsplit("/", 1)[0]
+        if isinstance(t.module, nnx.MultiHeadAttention):
+            npath = npath.rsplit("/", 1)[0]  # the attention module, not its query projection
+        label = repr(tname) if npath.replace("/", ".") == tname else f"{tname!r} (NNX {npath!r})"
+        notes += [f"{label}: {n}" for n in _differences(t.module, tmod)]
+    if notes:
+        warnings.warn(
+            "the torch model and the NNX model differ in settings that weights do not carry, so their outputs "
+            "will differ:\n  " + "\n  ".join(notes),
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _differences(m: nnx.Module, tm: Any) -> list[str]:
+    import torch.nn as tnn
+
+    out = []
+
+    def close(a: float, b: float) -> bool:
+        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-12)
+
+    if isinstance(m, nnx.BatchNorm) and isinstance(tm, tnn.modules.batchnorm._BatchNorm):
+        if not close(m.epsilon, tm.eps):
+            out.append(f"BatchNorm eps: torch {tm.eps}, NNX epsilon {m.epsilon}")
+        if tm.momentum is None:
+            out.append("torch BatchNorm momentum=None (cumulative average) has no NNX equivalent")
+        elif not close(m.momentum, 1 - tm.momentum):
+            out.append(
+                f"BatchNorm momentum: torch {tm.momentum} weighs the new batch, NNX momentum weighs the old "
+                f"average: set momentum={1 - tm.momentum:g} (NNX has {m.momentum})"
+            )
+        if not tm.track_running_stats:
+            out.append("torch BatchNorm has track_running_stats=False (always batch statistics)")
+    elif isinstance(m, (nnx.LayerNorm, nnx.GroupNorm, nnx.InstanceNorm)) and hasattr(tm, "eps"):
+        if not close(m.epsilon, tm.eps):
+            out.append(f"{type(m).__name__} eps: torch {tm.eps}, NNX epsilon {m.epsilon} (flax's default is 1e-6)")
+        if isinstance(m, nnx.GroupNorm) and getattr(tm, "num_groups", None) not in (None, m.num_groups):
+            out.append(f"GroupNorm groups: torch {tm.num_groups}, NNX {m.num_groups}")
+    elif isinstance(m, nnx.RMSNorm) and hasattr(tm, "eps"):
+        if tm.eps is None:
+            out.append(f"torch RMSNorm eps=None uses the dtype's machine epsilon; NNX epsilon {m.epsilon}")
+        elif not close(m.epsilon, tm.eps):
+            out.append(f"RMSNorm eps: torch {tm.eps}, NNX epsilon {m.epsilon}")
+    elif isinstance(m, nnx.Conv) and isinstance(tm, tnn.modules.conv._ConvNd):
+        out += _conv_differences(m, tm)
+    elif isinstance(m, nnx.MultiHeadAttention) and isinstance(tm, tnn.MultiheadAttention):
+        if tm.num_heads != m.num_heads:
+            out.append(f"attention heads: torch {tm.num_heads}, NNX {m.num_heads} (the weights fit either)")
+        if not tm.batch_first:
+            out.append("torch MultiheadAttention has batch_first=False: it takes (length, batch, features)")
+    return out
+
+
+def _conv_differences(m: nnx.Conv, tm: Any) -> list[str]:
+    n = len(m.kernel_size)
+
+    def tup(v: Any) -> tuple[int, ...]:
+        if v is None:
+            return (1,) * n
+        return tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * n
+
+    out = []
+    if tup(m.strides) != tup(tm.stride):
+        out.append(f"conv stride: torch {tup(tm.stride)}, NNX {tup(m.strides)}")
+    if tup(m.kernel_dilation) != tup(tm.dilation):
+        out.append(f"conv dilation: torch {tup(tm.dilation)}, NNX {tup(m.kernel_dilation)}")
+    if tm.padding_mode != "zeros":
+        out.append(f"torch pads with padding_mode={tm.padding_mode!r}; check the NNX padding")
+        return out
+    dil = tup(m.kernel_dilation)
+    kernel = tuple(m.kernel_size)
+
+    def same_pairs() -> tuple[tuple[int, int], ...]:
+        tot = [d * (k - 1) for d, k in zip(dil, kernel)]
+        return tuple((t // 2, t - t // 2) for t in tot)
+
+    tp = tm.padding
+    if tp == "valid":
+        torch_pairs = ((0, 0),) * n
+    elif tp == "same":
+        torch_pairs = same_pairs()
+    else:
+        torch_pairs = tuple((p, p) for p in tup(tp))
+    fp = m.padding
+    if isinstance(fp, str):
+        if fp.upper() == "VALID":
+            nnx_pairs = ((0, 0),) * n
+        elif fp.upper() == "SAME" and tup(m.strides) == (1,) * n:
+            nnx_pairs = same_pairs()
+        else:
+            return out  # stride-dependent or non-zero padding: not compared
+    elif isinstance(fp, int):
+        nnx_pairs = ((fp, fp),) * n
+    else:
+        nnx_pairs = tuple((p, p) if isinstance(p, int) else tuple(p) for p in fp)
+    if nnx_pairs != torch_pairs:
+        out.append(
+            f"conv padding: torch {tm.padding!r} pads {torch_pairs}, NNX {m.padding!r} pads {nnx_pairs} "
+            f"(flax's default is 'SAME', torch's is 0)"
+        )
+    return out
