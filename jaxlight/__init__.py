@@ -5,7 +5,7 @@ Subclass :class:`LightningModule`, pick a strategy, call
 and places it on a device mesh.
 """
 
-from jaxlight import callbacks, distributed, loggers, nn, strategies
+from jaxlight import callbacks, distributed, loggers, nn, optim, strategies
 from jaxlight.callbacks import Callback
 from jaxlight.checkpoint import CheckpointError, Preempted
 from jaxlight.datamodule import LightningDataModule
@@ -30,6 +30,7 @@ __all__ = [
     "distributed",
     "loggers",
     "nn",
+    "optim",
     "seed_everything",
     "strategies",
 ]

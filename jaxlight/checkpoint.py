@@ -42,7 +42,6 @@ import jax
 import numpy as np
 
 from jaxlight import serialization
-from jaxlight.data import _FRESH_EPOCH_KEY, _GENERATOR_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.module import LightningModule
@@ -172,7 +171,7 @@ def _groups(trainer: Trainer, weights_only: bool) -> tuple[dict[str, dict], dict
     state = trainer.train_state
     impls: dict[str, str] = {}
     if state is None:  # e.g. saved after validate() without fit: the module's own state
-        params, rest = trainer._read_module()
+        params, rest = trainer.engine.read_module()
         model = {"params": params, "rest": rest}
         train: dict[str, Any] = {}
     else:
@@ -194,10 +193,10 @@ def _abstract(value: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 def _targets(trainer: Trainer, with_train: bool) -> dict[str, dict]:
     """Abstract arrays (shape, dtype, *current* sharding) for what the trainer holds now."""
-    state, shs = trainer.train_state, trainer._state_shardings
+    state, shs = trainer.train_state, trainer.engine.state_shardings
     if state is None or shs is None:
-        params, rest = trainer._read_module()
-        psh, rsh = trainer._param_shardings, trainer._rest_shardings
+        params, rest = trainer.engine.read_module()
+        psh, rsh = trainer.engine.param_shardings, trainer.engine.rest_shardings
         out = {
             "model": {
                 "params": {k: _abstract(v, psh[k]) for k, v in params.items()},
@@ -222,42 +221,21 @@ def _targets(trainer: Trainer, with_train: bool) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------- what a checkpoint holds
-def _epoch_position(trainer: Trainer) -> tuple[int, int, bool]:
-    """(epoch to resume in, batches of it already consumed, whether it starts fresh)."""
-    n = trainer.num_training_batches
-    done = trainer._batches_in_epoch
-    finished = (n != float("inf") and done >= n and done > 0) or (
-        n == float("inf") and trainer._current_hook == "on_train_epoch_end"
-    )
-    if finished:
-        return trainer.current_epoch + 1, 0, True
-    return trainer.current_epoch, done, done == 0
-
-
 def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
     """The host-side checkpoint dict (Lightning's shape, without arrays), after the save hooks ran."""
     module = trainer.lightning_module
-    epoch, in_epoch, fresh = _epoch_position(trainer)
-    loader_state = trainer._loader_states.get("train")
-    per_process = _gather_per_process(loader_state) if _loaders_are_per_process(trainer) else None
+    fit_loop = trainer.position.state_dict(trainer.num_training_batches)
+    loader_state = fit_loop["loader_state"]
+    fit_loop["loader_states_by_process"] = (
+        _gather_per_process(loader_state) if _loaders_are_per_process(trainer) else None
+    )
+    # epoch-level self.log accumulators of the epoch in progress
+    fit_loop["train_metrics"] = trainer.reporter.epoch_state_dict("train") if fit_loop["batches_in_epoch"] else None
     ckpt: dict[str, Any] = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "jaxlight_version": _version(),
-        "loops": {
-            "fit_loop": {
-                "resume_epoch": epoch,
-                "batches_in_epoch": in_epoch,
-                "fresh_epoch": fresh,
-                "micro_batches": trainer._micro_batches,
-                "loader_state": loader_state,
-                "loader_states_by_process": per_process,
-                # epoch-level self.log accumulators of the epoch in progress
-                "train_metrics": (
-                    trainer._stores["train"].state_dict() if in_epoch and "train" in trainer._stores else None
-                ),
-            }
-        },
+        "loops": {"fit_loop": fit_loop},
         "hyper_parameters": dict(module.hparams) if module is not None else {},
         "hparams_name": "kwargs",
     }
@@ -857,23 +835,14 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         trainer.train_state = type(st)(params, rest, opt_state, extra, train["step"]["step"])
     elif trainer.train_state is not None:
         trainer.train_state = trainer.train_state._replace(params=params, rest=rest)
-    trainer._write_back(params, rest)
+    trainer.engine.write_back(params, rest)
 
     module = trainer.lightning_module
     if fit:
-        fl = ckpt["loops"]["fit_loop"]
-        trainer.global_step = int(ckpt["global_step"])
-        trainer.current_epoch = int(fl["resume_epoch"])
-        trainer._micro_batches = int(fl["micro_batches"])
-        trainer._batches_in_epoch = int(fl["batches_in_epoch"])
-        trainer._resume_batch_offset = int(fl["batches_in_epoch"])
+        fl = {**ckpt["loops"]["fit_loop"], "global_step": ckpt["global_step"]}
         state = fl.get("loader_state")
         if fl.get("train_metrics") and not fl.get("fresh_epoch"):
-            from jaxlight.metrics import MetricStore
-
-            store = MetricStore()
-            store.load_state_dict(fl["train_metrics"])
-            trainer._stores["train"] = store
+            trainer.reporter.load_epoch_state_dict(fl["train_metrics"], "train")
         by_process = fl.get("loader_states_by_process")
         if by_process is not None or _loaders_are_per_process(trainer):
             if by_process is None or len(by_process) != jax.process_count():
@@ -884,12 +853,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
                     f"needs the same process count and loader layout"
                 )
             state = by_process[jax.process_index()]
-        if fl.get("fresh_epoch"):
-            gen = state.get(_GENERATOR_KEY) if isinstance(state, Mapping) else None
-            state = {_FRESH_EPOCH_KEY: True, **({_GENERATOR_KEY: gen} if gen is not None else {})}
-        trainer._resume_loader_state = state
-        if state is not None:
-            trainer._loader_states["train"] = state
+        trainer.position.load_state_dict(fl, loader_state=state)
         for cb in trainer.callbacks:
             cb.on_load_checkpoint(trainer, module, ckpt)
         states = ckpt.get("callbacks", {})
@@ -910,7 +874,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
                     lg.load_state_dict(match["state"])
     if module is not None:
         module.on_load_checkpoint(ckpt)
-    trainer._restored_ckpt_path = str(path)
+    trainer.restored_ckpt_path = str(path)
     if trainer.is_global_zero:
         print(
             f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlight.strategies.placement import batch_axes_size, batch_spec
 
@@ -131,24 +132,66 @@ def data_partition(mesh: Mesh, process_index: int | None = None) -> DataPartitio
     return DataPartition(groups.index(mine), len(groups), len(readers), readers.index(pid))
 
 
-class BatchPlacer:
-    """Puts host batches on the mesh with rows over the batch axes.
+def leaf_path(path: tuple) -> str:
+    """A batch leaf's key path as the "/"-joined string strategy pieces see (``"tokens"``, ``"0"``)."""
+    return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
-    With ``process_local`` in a multi-process run, each process's loader
-    yields only its :func:`data_partition` share and the global batch is
-    ``count`` times as many rows; otherwise every process yields the whole
-    global batch and keeps the rows its devices hold.
+
+class BatchPlacer:
+    """Puts host batches on the mesh: rows over the batch axes, other dims as the strategy says.
+
+    Dim 0 of every leaf is split over the batch axes (``data*fsdp*expert``);
+    a strategy piece may split more dims of a leaf (sequence parallelism
+    splits the length dim of token inputs), see ``Piece.batch_dims``. With
+    ``process_local`` in a multi-process run, each process's loader yields
+    only its :func:`data_partition` share and the global batch is ``count``
+    times as many rows; otherwise every process yields the whole global batch
+    and keeps the rows its devices hold. Shardings are computed once per leaf
+    path and shape.
     """
 
-    def __init__(self, mesh: Mesh, process_local: bool = False) -> None:
+    def __init__(self, mesh: Mesh, process_local: bool = False, strategy: Any = None) -> None:
         self.mesh = mesh
         self.process_local = process_local
+        self.strategy = strategy
         self.divisor = batch_axes_size(mesh)
         self.multiprocess = jax.process_count() > 1
         self.partition = data_partition(mesh) if self.multiprocess else DataPartition(0, 1, 1, 0)
+        self._rows_spec = batch_spec(mesh, 1)
+        self._shardings: dict[tuple[str, tuple[int, ...]], NamedSharding] = {}
 
     def sharding(self, ndim: int) -> NamedSharding:
+        """Rows over the batch axes, other dims whole (what a leaf gets when no piece splits it)."""
         return NamedSharding(self.mesh, batch_spec(self.mesh, ndim))
+
+    def leaf_sharding(self, path: str, shape: tuple[int, ...]) -> NamedSharding:
+        """The sharding of batch leaf ``path`` with *global* shape ``shape`` (checked for divisibility)."""
+        key = (path, shape)
+        sh = self._shardings.get(key)
+        if sh is not None:
+            return sh
+        spec: list[Any] = [self._rows_spec[0] if len(self._rows_spec) else None] if shape else []
+        dims = self.strategy.batch_dims(path, shape) if self.strategy is not None else {}
+        for dim, axis in sorted(dims.items()):
+            if dim >= len(shape):
+                raise BatchError(
+                    f"strategy {self.strategy.name!r} splits dim {dim} of batch leaf {path}, which has shape "
+                    f"{shape} ({len(shape)} dims)"
+                )
+            size = self.mesh.shape[axis]
+            if size == 1:
+                continue
+            if shape[dim] % size:
+                raise BatchError(
+                    f"batch leaf {path} has shape {shape}: dim {dim} ({shape[dim]}) is not divisible by mesh axis "
+                    f"{axis!r} = {size} that strategy {self.strategy.name!r} splits it over"
+                )
+            spec += [None] * (dim + 1 - len(spec))
+            spec[dim] = axis
+        while spec and spec[-1] is None:
+            spec.pop()
+        sh = self._shardings[key] = NamedSharding(self.mesh, P(*spec))
+        return sh
 
     def global_rows(self, local_rows: int) -> int:
         if self.process_local and self.multiprocess:
@@ -169,23 +212,32 @@ class BatchPlacer:
                 f"data*fsdp*expert = {self.divisor} of mesh {dict(self.mesh.shape)}"
             )
 
+    def global_shapes(self, batch: Any) -> dict[str, tuple[int, ...]]:
+        """Every leaf's global shape by path (what strategy pieces check before compiling)."""
+        out = {}
+        for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            shape = tuple(x.shape)
+            out[leaf_path(p)] = (self.global_rows(shape[0]), *shape[1:]) if shape else shape
+        return out
+
     def place(self, batch: Any) -> Any:
-        def put(x):
-            sh = self.sharding(x.ndim)
+        def put(path, x):
+            shape = tuple(x.shape)
+            gshape = (self.global_rows(shape[0]), *shape[1:]) if shape else shape
+            sh = self.leaf_sharding(leaf_path(path), gshape)
             if not self.multiprocess:
                 return jax.device_put(x, sh)
             if self.process_local:
-                gshape = (x.shape[0] * self._share_count(),) + tuple(x.shape[1:])
                 return jax.make_array_from_process_local_data(sh, np.asarray(x), gshape)
             xa = np.asarray(x)
             return jax.make_array_from_callback(xa.shape, sh, lambda idx: xa[idx])
 
-        return jax.tree.map(put, batch)
+        return jax.tree_util.tree_map_with_path(put, batch)
 
 
 # Extra keys jaxlight adds to a loader's saved state (removed before ``load_state_dict``).
-_GENERATOR_KEY = "_jaxlight_generator_state"
-_FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
+GENERATOR_KEY = "_jaxlight_generator_state"
+FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
 
 
 class Prefetched(NamedTuple):
@@ -282,8 +334,8 @@ class Prefetcher:
         can_load = callable(getattr(self.loader, "load_state_dict", None))
         if saved is not None and can_load:
             saved = dict(saved)
-            gen_state = saved.pop(_GENERATOR_KEY, None)
-            fresh_epoch = saved.pop(_FRESH_EPOCH_KEY, False)
+            gen_state = saved.pop(GENERATOR_KEY, None)
+            fresh_epoch = saved.pop(FRESH_EPOCH_KEY, False)
             if fresh_epoch:  # the saved epoch was finished: start a new one from the saved generator
                 if gen_state is not None and gen is not None:
                     gen.set_state(gen_state)
@@ -305,7 +357,7 @@ class Prefetcher:
         state = self.loader.state_dict()
         gen = getattr(self.loader, "generator", None)
         if isinstance(state, dict) and gen is not None and callable(getattr(gen, "get_state", None)):
-            state = {**state, _GENERATOR_KEY: gen.get_state()}
+            state = {**state, GENERATOR_KEY: gen.get_state()}
         return state
 
     def _put(self, item: Any) -> None:

@@ -289,7 +289,7 @@ class LightningModule(ModelHooks, DataHooks):
         if col is None:
             if self._trainer is None:
                 raise RuntimeError("self.log was called outside a Trainer run")
-            col = self._trainer._host_collector()
+            col = self._trainer.reporter.host_collector()
         col.add(
             name,
             value,

@@ -52,7 +52,19 @@ class StateCodec:
             self.variables[path] = var
 
     def to_flat(self, state: nnx.State) -> dict[str, Any]:
-        return dict(zip(self.keys, jax.tree_util.tree_leaves(state)))
+        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if treedef != self.treedef:
+            # Labelling leaves by position would silently mislabel them (a forward pass that sows a
+            # new variable shifts every later leaf), so name what changed instead.
+            now = [path_str(p) for p, _ in leaves_with_path]
+            added = sorted(set(now) - set(self.keys))
+            missing = sorted(set(self.keys) - set(now))
+            raise ValueError(
+                f"the model's variables changed since it was set up: added {added or 'none'}, missing "
+                f"{missing or 'none'}; a step may not create or remove NNX variables (e.g. self.sow(...) into a "
+                f"collection that did not exist at setup)"
+            )
+        return dict(zip(self.keys, (x for _, x in leaves_with_path)))
 
     def from_flat(self, flat: Mapping[str, Any]) -> nnx.State:
         try:

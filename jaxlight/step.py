@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlight.metrics import Collector
+from jaxlight.optim import AccumulationState
 from jaxlight.precision import Precision
 from jaxlight.state import ModelParts, merge_models, rest_after
 
@@ -75,7 +76,14 @@ def split_training_output(out: Any) -> tuple[jax.Array, dict[str, Any]]:
 
 
 class StepBuilder:
-    """Builds the pure functions the trainer compiles for each stage."""
+    """Builds the pure functions the trainer compiles for each stage.
+
+    The train step is two parts: the forward and backward pass, then the
+    update ``update(state, grads, aux) -> (state, outputs)`` (optimizer,
+    non-finite guard, step counter, callback extensions). ``wrap_update``
+    (the strategy's pieces, e.g. host offload fetching optimizer state into
+    device memory) wraps only the update.
+    """
 
     def __init__(
         self,
@@ -86,6 +94,7 @@ class StepBuilder:
         extensions: tuple[StepExtension, ...] = (),
         with_grad_norm: bool = False,
         skip_nonfinite: bool = False,
+        wrap_update: Callable[[Callable], Callable] | None = None,
     ) -> None:
         self.module = module
         self.parts = parts
@@ -94,13 +103,15 @@ class StepBuilder:
         self.extensions = extensions
         self.with_grad_norm = with_grad_norm
         self.skip_nonfinite = skip_nonfinite
+        self.update = wrap_update(self._update) if wrap_update is not None else self._update
         self.log_specs: dict[str, dict] = {}
 
     def _rows(self, batch: Any) -> int | None:
         leaves = jax.tree.leaves(batch)
         return int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else None
 
-    def train_step(self, state: TrainState, batch: Any, batch_idx: jax.Array):
+    def train_step(self, state: TrainState, batch: Any, batch_idx: jax.Array, flush: jax.Array):
+        """``flush``: a traced bool; under gradient accumulation it makes this micro-batch end its window."""
         prec = self.precision
 
         def loss_fn(params):
@@ -115,13 +126,19 @@ class StepBuilder:
             return loss.astype(jnp.float32), (extras, col.values, rest)
 
         (loss, (extras, logs, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        state, more = self.update(state, grads, {"loss": loss, "rest": rest, "flush": flush})
+        return state, {"loss": loss, **extras, **more}, logs
+
+    def _update(self, state: TrainState, grads: Any, aux: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
+        """Apply the optimizer to ``grads``; ``aux`` has the step's ``loss`` and the forward's new ``rest``."""
         assert self.tx is not None
-        outputs = {"loss": loss, **extras}
+        loss, rest = aux["loss"], aux["rest"]
+        outputs: dict[str, Any] = {}
         gnorm = ok = None
         if self.with_grad_norm or self.skip_nonfinite:
             gnorm = optax.global_norm(grads)
             outputs["grad_norm"] = gnorm
-        accumulating = isinstance(state.opt_state, optax.MultiStepsState)
+        accumulating = isinstance(state.opt_state, AccumulationState)
         if self.skip_nonfinite:
             ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
             outputs["skipped"] = ~ok
@@ -129,7 +146,10 @@ class StepBuilder:
                 # Under accumulation the bad micro-batch still counts towards its window (so the
                 # update boundary stays aligned with global_step) but contributes a zero gradient.
                 grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        if accumulating:
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params, flush=aux["flush"])
+        else:
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params = {k: v.astype(state.params[k].dtype) for k, v in params.items()}
         if self.skip_nonfinite:
@@ -144,7 +164,7 @@ class StepBuilder:
         step = state.step + updated.astype(jnp.int32)
         info = {"updated": updated, "step": step}
         extra = {e.name: e.update(state.extra[e.name], params, info) for e in self.extensions}
-        return TrainState(params, rest, opt_state, extra, step), outputs, logs
+        return TrainState(params, rest, opt_state, extra, step), outputs
 
     def eval_step(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array):
         prec = self.precision
@@ -164,7 +184,7 @@ class StepBuilder:
 
 
 def _has_updated(opt_state: Any) -> jax.Array:
-    """True when this call applied an update (MultiSteps accumulates otherwise)."""
-    if isinstance(opt_state, optax.MultiStepsState):
-        return opt_state.mini_step == 0
+    """True when this call applied an update (gradient accumulation holds it otherwise)."""
+    if isinstance(opt_state, AccumulationState):
+        return opt_state.window == 0
     return jnp.bool_(True)

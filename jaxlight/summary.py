@@ -8,12 +8,28 @@ from typing import Any
 import jax
 import numpy as np
 
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
-def per_device_bytes(tree: Any) -> int:
-    """Bytes the largest single device holds of ``tree``'s arrays (from their shards)."""
+
+def memory_kind(leaf: Any) -> str:
+    """``"host"`` for arrays in a host memory kind (host offload), else ``"device"``."""
+    kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
+    return "host" if kind in HOST_MEMORY_KINDS else "device"
+
+
+def per_device_bytes(tree: Any, memory: str | None = None) -> int:
+    """Bytes the largest single device holds of ``tree``'s arrays (from their shards).
+
+    ``memory="device"`` counts only arrays in device memory, ``"host"`` only
+    those a device keeps in host memory (offloaded state; XLA:CPU's
+    ``memory_analysis()`` reports no host bytes, so they are counted here from
+    the shards), None counts both.
+    """
     totals: dict[Any, int] = {}
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, jax.Array):
+            continue
+        if memory is not None and memory_kind(leaf) != memory:
             continue
         for shard in leaf.addressable_shards:
             totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
@@ -39,6 +55,13 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
+def fmt_state_bytes(tree: Any) -> str:
+    """Per-device bytes of ``tree``, split into device and host memory when some of it is offloaded."""
+    host = per_device_bytes(tree, "host")
+    device = fmt_bytes(per_device_bytes(tree, "device"))
+    return f"{device} device + {fmt_bytes(host)} host" if host else device
+
+
 def summarize(params: Mapping[str, jax.Array], opt_state: Any, mesh: jax.sharding.Mesh, max_depth: int = 1) -> str:
     """A table of parameter counts and per-device bytes, by module path prefix."""
     groups: dict[str, list[jax.Array]] = {}
@@ -60,7 +83,6 @@ def summarize(params: Mapping[str, jax.Array], opt_state: Any, mesh: jax.shardin
         "-" * len(lines[0]),
         f"Mesh: {mesh_txt} ({mesh.size} devices)",
         f"Trainable params: {fmt_count(total)} ({fmt_bytes(total_bytes(params))} total)",
-        f"Per device: params {fmt_bytes(per_device_bytes(params))}, "
-        f"optimizer state {fmt_bytes(per_device_bytes(opt_state))}",
+        f"Per device: params {fmt_bytes(per_device_bytes(params))}, optimizer state {fmt_state_bytes(opt_state)}",
     ]
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from tests.checkpoint_models import DropoutClassifier, arrays  # noqa: E402
 
 class Driver(jl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if pid == 1 and trainer._micro_batches == opts.get("wait_signal_at"):
+        if pid == 1 and trainer.position.micro_batches == opts.get("wait_signal_at"):
             pre = next(c for c in trainer.callbacks if isinstance(c, jl.callbacks.Preemption))
             print("READY", flush=True)
             deadline = time.time() + 60
@@ -65,7 +65,7 @@ t = jl.Trainer(
 try:
     t.fit(DropoutClassifier(), data, ckpt_path=opts.get("ckpt_path"))
 except jl.Preempted as e:
-    print(f"PREEMPTED step={e.step} micro={t._micro_batches} path={e.path}", flush=True)
+    print(f"PREEMPTED step={e.step} micro={t.position.micro_batches} path={e.path}", flush=True)
     raise
 params = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in t.train_state.params.items()}
 if pid == 0:

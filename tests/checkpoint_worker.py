@@ -32,7 +32,7 @@ class Driver(jl.Callback):
             # runs before ModelCheckpoint's hook: the save of the previous step may still be writing
             if ck is not None and jl.checkpoint.save_in_flight(ck):
                 print(f"INFLIGHT {trainer.global_step}", flush=True)
-        if trainer._micro_batches == opts.get("wait_signal_at"):
+        if trainer.position.micro_batches == opts.get("wait_signal_at"):
             pre = next(c for c in trainer.callbacks if isinstance(c, jl.callbacks.Preemption))
             print("READY", flush=True)
             deadline = time.time() + 60
@@ -51,7 +51,7 @@ t = trainer(
 try:
     t.fit(model, stateful_loader(din=din), ckpt_path=opts.get("ckpt_path"))
 except jl.Preempted as e:
-    print(f"PREEMPTED step={e.step} micro={t._micro_batches} path={e.path}", flush=True)
+    print(f"PREEMPTED step={e.step} micro={t.position.micro_batches} path={e.path}", flush=True)
     raise
 np.savez(os.path.join(out, "params.npz"), **host_params(t))
 print(f"DONE step={t.global_step}", flush=True)

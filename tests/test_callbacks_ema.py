@@ -22,7 +22,7 @@ class Recorder(jl.Callback):
         self.init = jax.tree.map(np.asarray, trainer.train_state.params)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer._micro_batches % trainer.accumulate_grad_batches == 0:
+        if trainer.position.last_stepped:
             self.after.append((trainer.global_step, jax.tree.map(np.asarray, trainer.train_state.params)))
 
 

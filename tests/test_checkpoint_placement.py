@@ -71,7 +71,7 @@ def test_restore_on_other_placement_continues_identically(straight, strategy, de
     t, rec = _fit(strategy, devices, STEPS, ckpt_path=path)
     # every array landed in the new trainer's own shardings ...
     for k, sh in rec.start_shardings.items():
-        assert sh == t._state_shardings.params[k], k
+        assert sh == t.engine.state_shardings.params[k], k
         assert len(sh.device_set) == devices
     if devices == 8:
         axes = {a for sh in rec.start_shardings.values() for a in sh.spec if a is not None}

@@ -30,7 +30,7 @@ class SignalAt(jl.Callback):
         self.at, self.sig = at, sig
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer._micro_batches == self.at:
+        if trainer.position.micro_batches == self.at:
             os.kill(os.getpid(), self.sig)
 
 
@@ -73,7 +73,7 @@ def test_sigterm_then_resume_is_bit_identical(kind, at, tmp_path):
     assert signal.getsignal(signal.SIGTERM) == handler_before  # put back after fit
     assert isinstance(exc.value, SystemExit) and exc.value.code == 143
     assert exc.value.step == at // 2 and exc.value.signum == signal.SIGTERM
-    assert t1._micro_batches == at  # finished the step it was in, no further
+    assert t1.position.micro_batches == at  # finished the step it was in, no further
     assert exc.value.path is not None and jl.checkpoint.is_complete(exc.value.path)
     assert os.path.realpath(os.path.join(run, "last.ckpt")) == os.path.realpath(exc.value.path)
 
@@ -105,16 +105,17 @@ def test_checkpoint_holds_rng_optimizer_and_loop_state(tmp_path):
     # restoring into a fresh trainer gives the same arrays, RNG keys included
     t2 = trainer(str(tmp_path / "c2"), max_steps=3)
     m2 = DropoutClassifier()
-    t2.lightning_module = None
-    t2._attach(m2, None)
-    t2._setup_model()
-    t2._setup_training()
+    t2.lightning_module, m2.trainer = m2, t2  # set up as fit would, without running the loop
+    t2.engine.attach(m2)
+    t2.engine.setup_model()
+    tx = jl.optim.configure(m2.configure_optimizers(), accumulate_grad_batches=t2.accumulate_grad_batches)
+    t2.engine.setup_training(tx, t2.callbacks, t2, 0)
     jl.checkpoint.restore_into_trainer(t2, path, "fit")
     for a, b in zip(jax.tree.leaves(t.train_state), jax.tree.leaves(t2.train_state)):
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert (t2.global_step, t2.current_epoch, t2._resume_batch_offset) == (3, 0, 6)
+    assert (t2.global_step, t2.current_epoch, t2.position.resume_offset) == (3, 0, 6)
 
 
 def test_configured_signal_without_checkpointing(tmp_path):

@@ -31,7 +31,14 @@ import jaxlight as jl
 from jaxlight.module import DataHooks, ModelHooks
 from tests.core_models import Classifier, batches, make_data, quiet
 
-NOT_HOOKS = {"step_extension", "init_step_state", "state_dict", "load_state_dict"}
+NOT_HOOKS = {
+    "step_extension",
+    "init_step_state",
+    "state_dict",
+    "load_state_dict",
+    "eval_params",
+    "wait_until_finished",
+}
 
 
 def hooked_callback(called, prefix="Callback", **attrs):
@@ -97,7 +104,7 @@ def data():
 
 def test_fit_hook_order(data):
     called = []
-    monitor = hooked_callback(called, prefix="Monitor", _is_monitoring_callback=True)
+    monitor = hooked_callback(called, prefix="Monitor", is_monitoring_callback=True)
     model = hooked_model(called, data[:2])
     # the monitoring callback is listed first but runs its on_train_epoch_end last, like ModelCheckpoint
     trainer = jl.Trainer(

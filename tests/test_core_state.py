@@ -167,3 +167,30 @@ def test_linen_adapter_trains():
     assert max_diff(nnx.state(model.net, nnx.Param), nnx.state(init.net, nnx.Param)) > 1e-2
     assert losses[-1] < 0.8 * losses[0]
     assert set(trainer.train_state.params) == {f"net/Dense_{i}/{p}" for i in (0, 1) for p in ("kernel", "bias")}
+
+
+def test_a_step_that_creates_a_variable_is_refused_by_name():
+    """A forward pass that sows a new variable would shift every later leaf of the flat state."""
+
+    class Sows(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.l1(x)
+            self.sow(nnx.Intermediate, "hidden", h)
+            return self.bn(h)
+
+    class M(jl.LightningModule):
+        def configure_model(self):
+            self.net = Sows(nnx.Rngs(0))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch["x"]).mean()
+
+        def configure_optimizers(self):
+            return optax.sgd(0.1)
+
+    with pytest.raises(ValueError, match=r"the model's variables changed since it was set up: added \['net/hidden"):
+        jl.Trainer(max_steps=1, devices=1, **quiet()).fit(M(), [{"x": np.ones((4, 4), np.float32)}])

@@ -61,8 +61,14 @@ def test_plot_command_writes_one_png_per_metric(run_dir, tmp_path):
     # default location: next to the CSV; only the chosen metrics
     out = plot_metrics(csv_logger.metrics_file_path, metrics=["train_loss"])
     assert [p.name for p in out] == ["train_loss.png"] and out[0].parent.name == "plots"
-    # the console script is installed and exits non-zero with a message on a bad path
-    r = subprocess.run(["jaxlight", "plot", str(tmp_path / "missing")], capture_output=True, text=True)
+    # the console script points at jaxlight.cli:main, which exits non-zero with a message on a bad path
+    # (run through this interpreter: the test must not depend on an activated venv's PATH)
+    from importlib.metadata import entry_points
+
+    assert entry_points(group="console_scripts")["jaxlight"].value == "jaxlight.cli:main"
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxlight.cli", "plot", str(tmp_path / "missing")], capture_output=True, text=True
+    )
     assert r.returncode == 2 and "neither a metrics CSV" in r.stderr
     with pytest.raises(ValueError, match="no column"):
         plot_metrics(csv_logger.metrics_file_path, metrics=["nope"])

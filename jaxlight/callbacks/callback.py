@@ -24,7 +24,34 @@ class Callback:
     its initial value comes from ``init_step_state`` and is checkpointed with
     the train state. ``state_dict``/``load_state_dict`` hold the host-side
     state a resume needs; ``state_key`` names it in the checkpoint.
+
+    Capabilities are declared here, with their defaults, and read by the
+    trainer (a subclass overrides the attribute or method):
+
+    - ``needs_grad_norm``: the train step computes the global gradient norm
+      and returns it in the step outputs as ``"grad_norm"``;
+    - ``skip_nonfinite_updates``: the train step drops an update whose loss or
+      gradient norm is non-finite (parameters, optimizer and model state kept);
+    - ``is_checkpoint_callback``: saves checkpoints; runs after every other
+      callback at each hook (Lightning orders checkpoint callbacks last), so
+      what it saves includes this hook's updates of the other callbacks;
+    - ``is_monitoring_callback``: decides from monitored metrics (early
+      stopping); its ``on_train_epoch_end`` runs after the module's;
+    - ``state_on_device``: the TrainState groups (``"opt_state"``, ``"extra"``)
+      this callback computes on between steps, so they must stay in device
+      memory (a host-offload strategy refuses to move them, naming the
+      callback);
+    - :meth:`eval_params`: other weights to evaluate with (EMA);
+    - :meth:`wait_until_finished`: block until background work (async
+      checkpoint commits) is done; the trainer calls it after fit and before a
+      preemption exit.
     """
+
+    needs_grad_norm: bool = False
+    skip_nonfinite_updates: bool = False
+    is_checkpoint_callback: bool = False
+    is_monitoring_callback: bool = False
+    state_on_device: tuple[str, ...] = ()
 
     @property
     def state_key(self) -> str:
@@ -120,3 +147,10 @@ class Callback:
 
     def init_step_state(self, trainer: Trainer, params: dict[str, Any]) -> Any:
         return None
+
+    def eval_params(self, trainer: Trainer, params: dict[str, Any]) -> dict[str, Any] | None:
+        """Parameters validation/test/predict should use instead of ``params`` (None: use ``params``)."""
+        return None
+
+    def wait_until_finished(self) -> None:
+        """Block until background work this callback started is complete (nothing by default)."""

@@ -28,7 +28,7 @@ class EarlyStopping(Callback):
     metric raises and names the metrics that exist.
     """
 
-    _is_monitoring_callback = True
+    is_monitoring_callback = True
     mode_dict = {"min": operator.lt, "max": operator.gt}
     order_dict = {"min": "<", "max": ">"}
 

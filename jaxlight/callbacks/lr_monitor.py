@@ -114,7 +114,7 @@ class LearningRateMonitor(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.logging_interval == "epoch" or not self._should_log_step(trainer):
             return
-        if trainer._micro_batches % trainer.accumulate_grad_batches:
+        if trainer.position.window:  # inside an accumulation window: no new rate yet
             return  # mid-accumulation: logged once per optimizer update, at its first micro-batch
         self._log(trainer)
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.summary import fmt_bytes, fmt_count, per_device_bytes
+from jaxlight.summary import fmt_bytes, fmt_count, fmt_state_bytes, per_device_bytes
 
 
 def summary_rows(params: dict[str, Any], module_types: dict[str, str], max_depth: int = 1) -> list[dict[str, Any]]:
@@ -49,7 +49,7 @@ def _module_types(trainer: Any) -> dict[str, str]:
     from flax import nnx
 
     module = trainer.lightning_module
-    names = trainer._parts.names if trainer._parts is not None else ()
+    names = trainer.engine.parts.names if trainer.engine.parts is not None else ()
     models = {k: getattr(module, k) for k in names}
     out = {}
     for path, node in nnx.iter_graph(models):
@@ -118,7 +118,8 @@ class ModelSummary(Callback):
         lines += [
             f"{fmt_count(total):<10} Trainable params ({total})",
             f"{fmt_bytes(per_device_bytes(params)):<10} Params per device",
-            f"{fmt_bytes(per_device_bytes(state.opt_state)):<10} Optimizer state per device",
+            f"{fmt_state_bytes(state.opt_state):<10} Optimizer state per device",
+            *([f"{fmt_state_bytes(state.extra):<10} Callback state per device (EMA ...)"] if state.extra else []),
             f"Mesh: {mesh_txt} ({mesh.size} devices)",
         ]
         return "\n".join(lines)

@@ -51,21 +51,21 @@ class NonFiniteGuard(Callback):
         self._pending: collections.deque = collections.deque()
 
     @property
-    def skip_nonfinite_updates(self) -> bool:  # read by the step builder
+    def skip_nonfinite_updates(self) -> bool:  # type: ignore[override]
         return self.action == "skip"
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._pending.clear()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        k = trainer.accumulate_grad_batches
-        step = (trainer._micro_batches - 1) // k  # the optimizer update this batch contributes to
+        # the optimizer update this batch contributes to (the position has already counted it)
+        step = trainer.global_step - 1 if trainer.position.last_stepped else trainer.global_step
         self._pending.append((step, trainer.current_epoch, batch_idx, outputs["loss"], outputs.get("grad_norm")))
         # entries older than the run-ahead window belong to steps the trainer has already waited for
-        from jaxlight.trainer import _RUN_AHEAD
+        from jaxlight.loops import RUN_AHEAD
 
         ready = []
-        while len(self._pending) > _RUN_AHEAD:
+        while len(self._pending) > RUN_AHEAD:
             ready.append(self._pending.popleft())
         self._check(ready)
 

@@ -130,7 +130,7 @@ class Preemption(Callback):
 
     def _should_stop_multi(self, trainer: Trainer) -> bool:
         client = self._client()
-        here = trainer._micro_batches
+        here = trainer.position.micro_batches
         if self._stop_at is None:
             if self.received is not None and not self._announced:
                 self._announced = True
@@ -154,19 +154,19 @@ class Preemption(Callback):
 
         signum = self.received
         path = None
-        ckpt_cbs = [c for c in trainer.checkpoint_callbacks if hasattr(c, "save_now")]
+        from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
+
+        ckpt_cbs = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         if ckpt_cbs:
             path = ckpt_cbs[0].save_now(trainer, reason="preemption")
         for cb in trainer.checkpoint_callbacks:  # other checkpoint callbacks finish what they started
-            wait = getattr(cb, "wait_until_finished", None)
-            if callable(wait):
-                wait()
+            cb.wait_until_finished()
         if trainer.is_global_zero and self.verbose:
             name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
             where = f"checkpoint written to {path}" if path else "no checkpoint written (checkpointing is disabled)"
             print(
                 f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
-                f"(epoch {trainer.current_epoch}, batch {trainer._batches_in_epoch}); {where}. "
+                f"(epoch {trainer.current_epoch}, batch {trainer.position.batches_in_epoch}); {where}. "
                 f"Run again with ckpt_path='last' to resume."
             )
         raise Preempted(trainer.global_step, path, signum)

@@ -80,7 +80,12 @@ class ThroughputMonitor(Callback):
     validation inside ``fit`` is left out. ``batch_size_fn`` and
     ``length_fn`` get the batch (global arrays) and should read shapes;
     returning a device scalar is allowed and is only fetched at logging time.
-    Latest values are in ``self.metrics``.
+    Memory per device is logged beside the rates: ``device/state_bytes`` and
+    ``host/state_bytes`` (the train state's bytes in device memory and in host
+    memory under host offload, counted from the arrays' shards, since XLA:CPU's
+    ``memory_analysis()`` reports no host bytes) and ``device/temp_bytes``
+    (the compiled step's temporaries from ``memory_analysis()``). Latest values
+    are in ``self.metrics``.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class ThroughputMonitor(Callback):
         self.window = window
         self.separator = separator
         self.flops_per_step: float | None = None
+        self.memory: dict[str, float] = {}
         self._peak: float | None = peak_flops
         self._paused = 0.0
         self._val_start: float | None = None
@@ -133,7 +139,8 @@ class ThroughputMonitor(Callback):
         self._items.append(self.length_fn(batch))
         if self.flops_per_step is None and "train" in trainer.compiled:
             self.flops_per_step = _flops(trainer.compiled["train"])
-        stepped = trainer._micro_batches % trainer.accumulate_grad_batches == 0
+            self.memory = _memory(trainer.compiled["train"], trainer.train_state, self.separator)
+        stepped = trainer.position.last_stepped
         if stepped and trainer.global_step % trainer.log_every_n_steps == 0:
             self._compute_and_log(trainer)
 
@@ -165,6 +172,7 @@ class ThroughputMonitor(Callback):
             out["flops_per_sec"] = dev * num_devices
             if self._peak:
                 out[f"device{sep}mfu"] = dev / self._peak
+        out.update(self.memory)
         return {f"train{sep}{k}": v for k, v in out.items()}
 
     def _compute_and_log(self, trainer: Any) -> None:
@@ -177,6 +185,20 @@ class ThroughputMonitor(Callback):
             from jaxlight.loggers.logger import LoggerCollection
 
             LoggerCollection(trainer.loggers).log_metrics(metrics, step=trainer.global_step - 1)
+
+
+def _memory(compiled: Any, state: Any, sep: str) -> dict[str, float]:
+    from jaxlight.summary import per_device_bytes
+
+    out = {
+        f"device{sep}state_bytes": float(per_device_bytes(state, "device")),
+        f"host{sep}state_bytes": float(per_device_bytes(state, "host")),
+    }
+    try:
+        out[f"device{sep}temp_bytes"] = float(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:
+        pass  # not every backend reports it
+    return out
 
 
 def _flops(compiled: Any) -> float | None:

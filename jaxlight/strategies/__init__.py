@@ -1,6 +1,7 @@
 """Placement strategies: small immutable pieces (mesh axes, rules, batch splits, memory kinds, in-step
 wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`."""
 
+from jaxlight.strategies.offload import HostOffload
 from jaxlight.strategies.placement import LayoutError
 from jaxlight.strategies.rules import (
     BATCH_AXES,
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT_RULES",
     "FILL",
     "FSDP",
+    "HostOffload",
     "MESH_AXES",
     "PARAM_FORBIDDEN_AXES",
     "STRATEGY_REGISTRY",

@@ -51,8 +51,9 @@ _COMPOSED_DEFAULT = {"tensor": 2, "sequence": 2, "stage": 2, "expert": 2}
 UpdateFn = Callable[..., Any]
 """The in-step update ``update(state, grads, aux) -> (state, outputs)`` that pieces may wrap."""
 
-STATE_GROUPS = ("params", "rest", "opt_state", "extra")
-"""The groups of :class:`jaxlight.step.TrainState` a piece may give a memory kind."""
+STATE_GROUPS = ("opt_state", "extra")
+"""The groups of :class:`jaxlight.step.TrainState` a piece may give a memory kind (parameters and model
+state stay in device memory: the forward pass reads them)."""
 
 
 class CompositionError(ValueError):

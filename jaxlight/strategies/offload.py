@@ -1,0 +1,74 @@
+"""Host offload: optimizer moments and the EMA copy live in pinned host memory between steps.
+
+The piece gives every optimizer-state and callback-state leaf that mirrors a
+parameter the ``pinned_host`` memory kind (same partition spec as its
+parameter, so each device's host shard is the slice that device updates).
+The compiled step fetches those leaves into device memory right before the
+optimizer update, runs the same update, and its out-shardings write them back
+to host memory; parameters never leave the device. Values are bit-identical
+to the same run without offload: only where the bytes live changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+
+from jaxlight.strategies.strategy import Piece, UpdateFn, register_strategy
+
+HOST = "pinned_host"
+
+
+def _to_device(tree: Any, shardings: Any) -> Any:
+    """Inside the step: host-resident leaves of ``tree`` copied into device memory (others untouched)."""
+
+    def move(x: Any, s: Any) -> Any:
+        if getattr(s, "memory_kind", None) in (None, "device"):
+            return x
+        return jax.device_put(x, s.with_memory_kind("device"))
+
+    return jax.tree.map(move, tree, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostOffload(Piece):
+    """Keep optimizer state (``optimizer_state``) and the EMA copy (``ema``) in pinned host memory.
+
+    Only leaves that mirror a parameter move (Adam's moments, a momentum
+    buffer, the gradient accumulator of ``accumulate_grad_batches``, EMA weights); step
+    counters and other scalars stay in device memory. Composes with every
+    placement (``"fsdp+offload"``, ``"ddp+offload"``, ``"fsdp+tp+offload"``):
+    a host leaf keeps its parameter's partition spec. Costs two host<->device
+    copies of the offloaded bytes per step; saves them from device memory.
+    Callbacks that compute on these groups on the device between steps
+    declare ``state_on_device`` and are refused with a clear error.
+    """
+
+    name: ClassVar[str] = "offload"
+    optimizer_state: bool = True
+    ema: bool = True
+
+    def memory_kind(self, group: str, mirrors: str | None) -> str | None:
+        if mirrors is None:
+            return None
+        if (group == "opt_state" and self.optimizer_state) or (group == "extra" and self.ema):
+            return HOST
+        return None
+
+    def wrap_update(self, update: UpdateFn, shardings: Any) -> UpdateFn:
+        if not (self.optimizer_state or self.ema):
+            return update
+
+        def fetch_then_update(state: Any, grads: Any, aux: Any) -> Any:
+            state = state._replace(
+                opt_state=_to_device(state.opt_state, shardings.opt_state),
+                extra=_to_device(state.extra, shardings.extra),
+            )
+            return update(state, grads, aux)
+
+        return fetch_then_update
+
+
+register_strategy("offload", HostOffload)
