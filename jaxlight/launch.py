@@ -1,0 +1,404 @@
+"""``jaxlight launch``: run one script as N local processes of one multi-process JAX run.
+
+``jaxlight launch --nprocs N [--devices-per-process K] script.py args...`` starts N copies
+of ``python script.py args...``. Each gets the coordinator environment that
+:func:`jaxlight.distributed.initialize` reads (``JAX_COORDINATOR_ADDRESS`` on a free
+localhost port, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; also ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``) and its own devices: on CPU ``K`` simulated devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=K``), on an NVIDIA GPU host its own
+``K`` GPUs (``CUDA_VISIBLE_DEVICES``). Every line a process prints is prefixed with
+``[rank i]``. SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher are
+forwarded to every process (each runs in its own process group), so a scheduler's
+preemption signal reaches all of them; a second SIGINT kills them. When a process exits
+with a non-zero status, the others get ``--grace-period`` seconds to finish, then SIGTERM,
+then SIGKILL after as long again (not after a forwarded signal: then every process is already
+stopping, possibly writing a checkpoint). The launcher exits with the first non-zero status
+(128 + N for a process killed by signal N), or 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+DESCRIPTION = (
+    "Run a script as N local processes of one multi-process JAX run. Each process gets the coordinator "
+    "environment jaxlight.distributed.initialize() reads and its own devices; output lines are prefixed with "
+    "the rank; signals to the launcher reach every process; the exit status is the first non-zero one."
+)
+
+EPILOG = """\
+examples:
+  jaxlight launch --nprocs 2 --devices-per-process 4 examples/gpt_cli.py fit --config examples/gpt_cli.yaml
+  jaxlight launch --nprocs 1 --devices-per-process 8 train.py     # 8 simulated CPU devices in one process
+  jaxlight launch --nprocs 8 -m mypackage.train --lr 1e-3          # one process per GPU of an 8-GPU host
+The script must call jaxlight.distributed.initialize() (LightningCLI does) before it uses JAX."""
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
+
+
+class LaunchError(ValueError):
+    """Arguments the launcher cannot run (said before any process starts)."""
+
+
+# ---------------------------------------------------------------------------- environment
+def free_port(host: str = "localhost") -> int:
+    """A TCP port that is free on ``host`` now (the coordinator binds it moments later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """The NVIDIA GPUs processes started with ``env`` may use, as ``CUDA_VISIBLE_DEVICES`` entries.
+
+    ``CUDA_VISIBLE_DEVICES`` when set (Slurm and container runtimes set it), else the GPUs the
+    driver lists in ``/proc/driver/nvidia/gpus``. Nothing is initialized: the launcher never
+    touches a device itself.
+    """
+    if "CUDA_VISIBLE_DEVICES" in env:
+        ids = [x.strip() for x in env["CUDA_VISIBLE_DEVICES"].split(",")]
+        out = []
+        for x in ids:
+            if not x or x == "-1":  # CUDA stops at the first invalid entry
+                break
+            out.append(x)
+        return out
+    try:
+        n = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return []
+    return [str(i) for i in range(n)]
+
+
+def resolve_accelerator(accelerator: str, env: Mapping[str, str]) -> str:
+    """``"cpu"`` or ``"gpu"``: ``auto`` is gpu when a GPU is visible and ``JAX_PLATFORMS`` allows it."""
+    if accelerator not in ("auto", "cpu", "gpu"):
+        raise LaunchError(f"--accelerator {accelerator!r}: choose auto, cpu or gpu")
+    if accelerator != "auto":
+        return accelerator
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms and not {"cuda", "gpu"} & set(platforms):
+        return "cpu"
+    return "gpu" if visible_gpus(env) else "cpu"
+
+
+def device_assignment(
+    nprocs: int, devices_per_process: int | None, accelerator: str, env: Mapping[str, str]
+) -> list[dict[str, str]]:
+    """The device variables of each process: ``XLA_FLAGS`` (CPU) or ``CUDA_VISIBLE_DEVICES`` (GPU).
+
+    On GPU each process gets its own ``devices_per_process`` GPUs (default: the visible GPUs split
+    evenly); asking for more GPUs than are visible raises a :class:`LaunchError` with the numbers.
+    On CPU each process simulates ``devices_per_process`` devices (default: whatever ``XLA_FLAGS``
+    already says, one device when it says nothing).
+    """
+    if nprocs < 1:
+        raise LaunchError(f"--nprocs must be >= 1, got {nprocs}")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise LaunchError(f"--devices-per-process must be >= 1, got {devices_per_process}")
+    kind = resolve_accelerator(accelerator, env)
+    if kind == "gpu":
+        gpus = visible_gpus(env)
+        k = devices_per_process if devices_per_process is not None else len(gpus) // nprocs
+        if k < 1 or nprocs * k > len(gpus):
+            raise LaunchError(
+                f"--nprocs {nprocs} x --devices-per-process {devices_per_process or k} = {nprocs * max(k, 1)} GPUs "
+                f"requested but {len(gpus)} are visible ({'CUDA_VISIBLE_DEVICES=' + env['CUDA_VISIBLE_DEVICES'] if 'CUDA_VISIBLE_DEVICES' in env else 'from /proc/driver/nvidia/gpus'})"
+            )
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * k : (i + 1) * k])} for i in range(nprocs)]
+    out: list[dict[str, str]] = []
+    for _ in range(nprocs):
+        d: dict[str, str] = {}
+        if devices_per_process is not None:
+            flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+            d["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
+        if accelerator == "cpu":
+            d["JAX_PLATFORMS"] = "cpu"
+        out.append(d)
+    return out
+
+
+def child_env(
+    rank: int, nprocs: int, coordinator: str, devices: Mapping[str, str], base: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment of process ``rank``: ``base`` with the coordinator variables and its devices.
+
+    Inherited ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` /
+    ``JAX_LOCAL_DEVICE_IDS`` and torchrun variables are replaced, so a launcher started inside
+    another run's environment (a Slurm step, a torchrun worker) starts a run of its own.
+    """
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in ("JAX_LOCAL_DEVICE_IDS", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_WORLD_SIZE")
+    }
+    env.update(
+        JAX_COORDINATOR_ADDRESS=coordinator,
+        JAX_NUM_PROCESSES=str(nprocs),
+        JAX_PROCESS_ID=str(rank),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
+    )
+    env.update(devices)
+    return env
+
+
+# ---------------------------------------------------------------------------- running
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # Linux: the child gets SIGKILL if the launcher dies without forwarding (e.g. SIGKILL), so no
+    # process is left holding devices. Children run in their own session and would survive otherwise.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class Launcher:
+    """Starts, watches and stops the processes of one launch; :meth:`run` returns the exit status."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        nprocs: int,
+        devices_per_process: int | None = None,
+        *,
+        accelerator: str = "auto",
+        port: int | None = None,
+        grace_period: float = 10.0,
+        prefix: bool = True,
+        env: Mapping[str, str] | None = None,
+        stdout: IO[bytes] | None = None,
+        stderr: IO[bytes] | None = None,
+    ) -> None:
+        if not cmd:
+            raise LaunchError("nothing to launch: give a script (or -m module) and its arguments")
+        if grace_period < 0:
+            raise LaunchError(f"--grace-period must be >= 0, got {grace_period}")
+        base = dict(os.environ if env is None else env)
+        devices = device_assignment(nprocs, devices_per_process, accelerator, base)
+        if port is not None and not 0 < port < 65536:
+            raise LaunchError(f"--port {port} is not a TCP port")
+        self.coordinator = f"localhost:{port if port is not None else free_port()}"
+        self.cmd = list(cmd)
+        self.nprocs = nprocs
+        self.envs = [child_env(i, nprocs, self.coordinator, devices[i], base) for i in range(nprocs)]
+        self.grace_period = grace_period
+        self.prefix = prefix
+        self.stdout = stdout if stdout is not None else sys.stdout.buffer
+        self.stderr = stderr if stderr is not None else sys.stderr.buffer
+        self.procs: list[subprocess.Popen] = []
+        self.exit_codes: list[int | None] = [None] * nprocs
+        self.first_failure: tuple[int, int] | None = None  # (rank, status)
+        self.signals_received: list[int] = []
+        self._lock = threading.Lock()
+        self._pumps: list[threading.Thread] = []
+
+    # -- output
+    def _pump(self, rank: int, pipe: IO[bytes], sink: IO[bytes]) -> None:
+        tag = f"[rank {rank}] ".encode() if self.prefix else b""
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self._lock:
+                try:
+                    sink.write(tag + line)
+                    sink.flush()
+                except (OSError, ValueError):  # our own output closed: keep draining the child's pipe
+                    pass
+        pipe.close()
+
+    def _say(self, msg: str) -> None:
+        with self._lock:
+            try:
+                self.stderr.write(f"jaxlight launch: {msg}\n".encode())
+                self.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    # -- signals
+    def _signal_all(self, sig: int) -> None:
+        for rank, p in enumerate(self.procs):
+            if self.exit_codes[rank] is None and p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)  # the child's whole process group (its own workers too)
+                except ProcessLookupError:
+                    pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in self.signals_received:
+            self._signal_all(signal.SIGKILL)  # a second Ctrl-C: stop waiting
+        else:
+            self._signal_all(signum)
+        self.signals_received.append(signum)
+
+    # -- the run
+    def start(self) -> None:
+        """Start every process (all before any output thread: the fork runs no Python code)."""
+        for env in self.envs:
+            self.procs.append(
+                subprocess.Popen(
+                    self.cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+                )
+            )
+        for rank, p in enumerate(self.procs):
+            for pipe, sink in ((p.stdout, self.stdout), (p.stderr, self.stderr)):
+                t = threading.Thread(target=self._pump, args=(rank, pipe, sink), daemon=True)
+                t.start()
+                self._pumps.append(t)
+
+    def wait(self, poll_interval: float = 0.05) -> int:
+        """Wait for every process; stop the others after a failure; return the launch's exit status."""
+        deadline_term: float | None = None
+        deadline_kill: float | None = None
+        while any(c is None for c in self.exit_codes):
+            for rank, p in enumerate(self.procs):
+                if self.exit_codes[rank] is None and (rc := p.poll()) is not None:
+                    status = _exit_status(rc)
+                    self.exit_codes[rank] = status
+                    if status != 0 and self.first_failure is None:
+                        self.first_failure = (rank, status)
+                        left = sum(c is None for c in self.exit_codes)
+                        if self.signals_received:
+                            # we forwarded a signal: the others are stopping (maybe saving a checkpoint) on their own
+                            continue
+                        if left:
+                            self._say(
+                                f"rank {rank} exited with status {status}; stopping the other {left} process(es) "
+                                f"if they have not exited within {self.grace_period:g} s"
+                            )
+                        deadline_term = time.monotonic() + self.grace_period
+            now = time.monotonic()
+            if deadline_term is not None and now >= deadline_term:
+                self._signal_all(signal.SIGTERM)
+                deadline_term, deadline_kill = None, now + max(self.grace_period, 1.0)
+            if deadline_kill is not None and now >= deadline_kill:
+                self._signal_all(signal.SIGKILL)
+                deadline_kill = None
+            time.sleep(poll_interval)
+        for t in self._pumps:
+            t.join(timeout=5.0)
+        return self.first_failure[1] if self.first_failure else 0
+
+    def run(self) -> int:
+        """Start the processes, forward signals while they run, return the exit status."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} if in_main else {}
+        try:
+            self.start()
+            return self.wait()
+        finally:
+            if any(c is None for c in self.exit_codes):  # interrupted by an exception: leave nothing behind
+                self._signal_all(signal.SIGKILL)
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def launch(
+    cmd: Sequence[str],
+    nprocs: int,
+    devices_per_process: int | None = None,
+    *,
+    accelerator: str = "auto",
+    port: int | None = None,
+    grace_period: float = 10.0,
+    prefix: bool = True,
+) -> int:
+    """Run ``cmd`` as ``nprocs`` processes of one multi-process run; returns the exit status (see the module doc)."""
+    return Launcher(
+        cmd,
+        nprocs,
+        devices_per_process,
+        accelerator=accelerator,
+        port=port,
+        grace_period=grace_period,
+        prefix=prefix,
+    ).run()
+
+
+# ---------------------------------------------------------------------------- command line
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``jaxlight launch``."""
+    p.add_argument("--nprocs", type=int, required=True, help="number of processes to start")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="devices of each process: K simulated CPU devices, or K GPUs of this host "
+        "(default on GPU: the visible GPUs split evenly; on CPU: XLA_FLAGS as inherited)",
+    )
+    p.add_argument(
+        "--accelerator",
+        default="auto",
+        choices=("auto", "cpu", "gpu"),
+        help="auto: gpu when an NVIDIA GPU is visible and JAX_PLATFORMS allows it",
+    )
+    p.add_argument("--port", type=int, default=None, help="coordinator port on localhost (default: a free one)")
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="after a process fails, how long the others may run before SIGTERM (and as long again before SIGKILL)",
+    )
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank i]")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    how.add_argument("--no-python", action="store_true", help="run the target as an executable, not with python")
+    p.add_argument("script", help="the training script (or module with -m, executable with --no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to every process")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``jaxlight launch`` with parsed arguments; returns the exit status (2 for bad arguments)."""
+    if args.no_python:
+        cmd = [args.script, *args.script_args]
+    elif args.module:
+        cmd = [sys.executable, "-m", args.script, *args.script_args]
+    else:
+        if not os.path.isfile(args.script):
+            print(f"jaxlight launch: script {args.script!r} does not exist", file=sys.stderr)
+            return 2
+        cmd = [sys.executable, args.script, *args.script_args]
+    try:
+        launcher = Launcher(
+            cmd,
+            args.nprocs,
+            args.devices_per_process,
+            accelerator=args.accelerator,
+            port=args.port,
+            grace_period=args.grace_period,
+            prefix=not args.no_prefix,
+        )
+    except LaunchError as e:
+        print(f"jaxlight launch: {e}", file=sys.stderr)
+        return 2
+    return launcher.run()
+
+
+__all__ = ["LaunchError", "Launcher", "child_env", "device_assignment", "free_port", "launch", "visible_gpus"]
