@@ -66,7 +66,7 @@ def stateful_loader(n: int = 64, din: int = 8, batch_size: int = 8, seed: int = 
 def trainer(dirpath: str, callbacks=(), every_n_train_steps: int = 2, **kw) -> jl.Trainer:
     kw.setdefault("max_steps", 10)
     kw.setdefault("accumulate_grad_batches", 2)
-    ckpt = jl.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_last=True)
+    ckpt = jl.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_last="link")
     return jl.Trainer(
         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, ckpt], **kw
     )

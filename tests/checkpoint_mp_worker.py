@@ -51,7 +51,7 @@ if opts.get("process_local"):
     gen = torch.Generator()
     gen.manual_seed(100 + pid)
     data = StatefulDataLoader(share, batch_size=4, shuffle=True, generator=gen)
-ckpt = jl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=5, save_last=True)
+ckpt = jl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=5, save_last="link")
 t = jl.Trainer(
     strategy="ddp",
     devices=4,

@@ -1,44 +1,398 @@
-"""ModelCheckpoint: Lightning's checkpoint callback on orbax-checkpoint, saving asynchronously."""
+"""ModelCheckpoint: Lightning's checkpoint callback on orbax-checkpoint, saving asynchronously.
+
+Two layers:
+
+- *Decisions* (every process, in the loop): Lightning's own logic decides
+  when to save, the file names, the top-k set and ``last``. A trigger makes
+  at most one orbax save, plus a *plan* of file operations: the names the
+  saved data is published under, the ``last`` link to switch, the files to
+  remove.
+- *Publication* (process 0, in orbax's commit thread): the moment a save
+  commits, its plan runs, in save order. The loop never waits for it, and
+  nothing lags: ``last`` and the top-k set follow each commit, however fast
+  the steps are.
+
+Every file operation keeps one invariant, even under ``kill -9`` at any
+instant: whenever a complete checkpoint exists, ``last`` resolves to the
+newest one. Directories get their final name by an atomic rename or an atomic
+exchange (Linux ``renameat2(RENAME_EXCHANGE)``); removed checkpoints first
+lose their final name (so a half-deleted directory never looks complete).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
 import os
 import re
 import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.imports import WarnOnce, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
 
+# Names holding orbax's temporary mark are never complete checkpoints (jaxlight.checkpoint.is_complete),
+# so every intermediate name below carries it.
+_MARK = ".orbax-checkpoint-tmp"
+# what jaxlight.checkpoint.is_complete looks for at the top of a checkpoint directory, and orbax's commit marker
+_COMPLETION_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
+_KINDS = ("staged", "copy", "evicted", "link", "old", "next", "placeholder")
+_LEFTOVER = re.compile(
+    r"^(?P<base>.+?)" + re.escape(_MARK) + r"-(?P<kind>" + "|".join(_KINDS) + r")\d+-\d+(?:" + re.escape(_MARK) + r")?$"
+)
+
+
+# ============================================================================ file operations (process 0)
+def _marked(path: str, kind: str, token: str) -> str:
+    return f"{path}{_MARK}-{kind}{token}"
+
+
+def _is_dir(p: str) -> bool:
+    return os.path.isdir(p) and not os.path.islink(p)
+
+
+_renameat2: Any = None
+_exchange_ok: dict[str, bool] = {}
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap the entries ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (AttributeError, OSError):
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if _renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+def _can_exchange(directory: str, token: str) -> bool:
+    """Whether the filesystem holding ``directory`` swaps entries atomically (probed once per directory)."""
+    if directory not in _exchange_ok:
+        a, b = (_marked(os.path.join(directory, "probe"), "link", f"{token}{s}") for s in "01")
+        try:
+            os.symlink("a", a)
+            os.symlink("b", b)
+            _exchange_ok[directory] = _exchange(a, b)
+        except OSError:
+            _exchange_ok[directory] = False
+        finally:
+            for p in (a, b):
+                if os.path.lexists(p):
+                    os.unlink(p)
+    return _exchange_ok[directory]
+
+
+_warn_cleanup = WarnOnce()
+
+
+def _dispose(path: str, token: str) -> None:
+    """Remove a file, link or checkpoint directory; a directory first loses its final name."""
+    try:
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            if _MARK not in os.path.basename(path):
+                gone = _marked(path, "evicted", token)
+                os.rename(path, gone)
+                path = gone
+            shutil.rmtree(path)
+    except OSError as e:  # the run goes on; the file stays and the user is told once
+        _warn_cleanup(
+            ("dispose", os.path.dirname(path)),
+            f"ModelCheckpoint could not remove {path} ({e}); it stays on disk (further failures in this "
+            f"directory are not reported)",
+        )
+
+
+def _put(src: str, dst: str, token: str) -> None:
+    """Make ``dst`` name what ``src`` names, atomically where the filesystem allows; the old ``dst`` is removed."""
+    if not os.path.lexists(dst):
+        os.rename(src, dst)
+        return
+    if not _is_dir(src) and not _is_dir(dst):
+        os.replace(src, dst)  # a link or file over a link or file: atomic everywhere
+        return
+    if _exchange(src, dst):
+        _dispose(src, token)  # src now names the old dst
+        return
+    old = _marked(dst, "old", token)  # no exchange here: a moment without dst
+    os.rename(dst, old)
+    os.rename(src, dst)
+    _dispose(old, token)
+
+
+def _link(link: str, target: str, token: str) -> None:
+    """Point the symlink ``link`` at ``target`` (relative), replacing whatever ``link`` was, atomically."""
+    rel = os.path.relpath(target, os.path.dirname(link))
+    if os.path.islink(link) and os.readlink(link) == rel:
+        return
+    tmp = _marked(link, "link", token)
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(rel, tmp)
+    _put(tmp, link, token)
+
+
+def _hardlink_tree(src: str, dst: str) -> None:
+    """A copy of the directory ``src`` at ``dst`` sharing its files (hard links; a real copy where links fail).
+
+    Orbax never modifies a committed checkpoint's files, so the two stay independent: removing one keeps the other.
+    """
+    if os.path.lexists(dst):
+        shutil.rmtree(dst)
+
+    def put(s: str, t: str) -> None:
+        try:
+            os.link(s, t)
+        except OSError:
+            shutil.copy2(s, t)
+
+    # the files that make a directory count as complete go last, so a copy cut short never looks complete
+    last = [f for f in _COMPLETION_FILES if os.path.exists(os.path.join(src, f))]
+    for root, _, files in os.walk(src):
+        out = os.path.join(dst, os.path.relpath(root, src))
+        os.makedirs(out, exist_ok=True)
+        for f in files:
+            if root != src or f not in last:
+                put(os.path.join(root, f), os.path.join(out, f))
+    for f in last:
+        put(os.path.join(src, f), os.path.join(dst, f))
+
+
+def _meta_time(path: str | os.PathLike) -> float:
+    from jaxlight.checkpoint import read_meta
+
+    try:
+        return float(read_meta(path).get("time", 0.0))
+    except Exception:  # unreadable: never preferred
+        return -1.0
+
+
+def _whole(path: str) -> bool:
+    """A directory holding a whole checkpoint, whatever its name (jaxlight.checkpoint.is_complete also needs a final
+    name); a hard-linked copy gets its completion files last, so one cut short is not whole."""
+    return _is_dir(path) and all(
+        os.path.exists(os.path.join(path, n)) for n in ("_CHECKPOINT_METADATA", "meta", "model")
+    )
+
+
+def _complete(path: str) -> bool:
+    from jaxlight.checkpoint import is_complete
+
+    return os.path.exists(path) and is_complete(os.path.realpath(path))
+
+
+@dataclass
+class _Plan:
+    """The file operations of one save (or of a trigger that saved nothing new), applied in this order:
+    hard-linked copies (``names[1:]``, e.g. ``last.ckpt`` with ``save_last=True``), the data itself under
+    ``names[0]`` (links pointing at it switched together with it), the other links, then the removals."""
+
+    token: str
+    names: list[str] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (link, target)
+    removals: list[str] = field(default_factory=list)
+    protect: frozenset[str] = frozenset()
+    staged: str = ""  # where orbax's commit leaves the data before it is published
+
+    def apply(self) -> None:
+        links = list(self.links)
+        if self.names:
+            primary = self.names[0]
+            for copy in self.names[1:]:
+                tmp = _marked(copy, "copy", self.token)
+                _hardlink_tree(self.staged, tmp)
+                _put(tmp, copy, self.token)
+            along = [lk for lk, t in links if t == primary]
+            links = [(lk, t) for lk, t in links if t != primary]
+            self._publish(primary, along)
+        for lk, t in links:
+            _link(lk, t, self.token)
+        for p in self.removals:
+            if p not in self.protect:
+                _dispose(p, self.token)
+
+    def _publish(self, primary: str, links: list[str]) -> None:
+        """Give the staged data its name; links to it switch in the same instant where possible."""
+        if not links:
+            _put(self.staged, primary, self.token)
+            return
+        now = [lk for lk in links if _complete(lk)]
+        directory = os.path.dirname(primary)
+        if not now:  # nothing to keep resolvable yet: point the links first, then name the data
+            for lk in links:
+                _link(lk, primary, self.token)
+            _put(self.staged, primary, self.token)
+        elif not os.path.lexists(primary) and _can_exchange(directory, self.token):
+            # A placeholder link at the new name, resolving where the link resolves now; the link moves to it
+            # (still resolving to the old checkpoint); then the data is exchanged with the placeholder, so the
+            # link resolves to the new checkpoint the instant that checkpoint exists.
+            mark = _marked(primary, "placeholder", self.token)  # tells a repair that `primary` may be a placeholder
+            with open(mark, "w"):
+                pass
+            _link(primary, os.path.realpath(now[0]), self.token)
+            _link(now[0], primary, self.token)
+            _put(self.staged, primary, self.token)
+            for lk in links:
+                _link(lk, primary, self.token)
+            os.unlink(mark)
+        else:  # no atomic exchange on this filesystem: the link follows a moment later
+            _put(self.staged, primary, self.token)
+            for lk in links:
+                _link(lk, primary, self.token)
+
+
+@dataclass
+class _Job:
+    plan: _Plan
+    committed: bool = False
+
+
+class _Publisher:
+    """Runs the plans on process 0 in save order: a save's plan when orbax commits it, other plans at once
+    unless a save before them has not committed yet."""
+
+    def __init__(self) -> None:
+        self.active = True  # False on processes other than 0: they decide, process 0 touches the files
+        self._lock = threading.Lock()
+        self._jobs: deque[_Job] = deque()
+        self._by_path: dict[str, _Job] = {}
+
+    def expect(self, orbax_path: str, plan: _Plan) -> None:
+        if not self.active:
+            return
+        with self._lock:
+            job = _Job(plan)
+            self._jobs.append(job)
+            self._by_path[os.path.abspath(orbax_path)] = job
+
+    def forget(self, orbax_path: str) -> None:
+        """The save never started (it raised before handing over to orbax)."""
+        with self._lock:
+            job = self._by_path.pop(os.path.abspath(orbax_path), None)
+            if job is not None:
+                self._jobs.remove(job)
+                self._drain()
+
+    def submit(self, plan: _Plan) -> None:
+        if not self.active:
+            return
+        with self._lock:
+            self._jobs.append(_Job(plan, committed=True))
+            self._drain()
+
+    def lookup(self, orbax_path: str) -> _Plan | None:
+        with self._lock:
+            job = self._by_path.get(os.path.abspath(orbax_path))
+            return None if job is None else job.plan
+
+    def committed(self, orbax_path: str) -> None:
+        """Orbax moved the save to ``plan.staged``: run every plan that is now due (in orbax's commit thread)."""
+        with self._lock:
+            job = self._by_path.pop(os.path.abspath(orbax_path), None)
+            if job is None:  # abandoned meanwhile (an earlier save failed): its data stays marked, never named
+                return
+            job.committed = True
+            self._drain()
+
+    def abandon(self) -> None:
+        """A save failed in the background: its plan (and no later one) will never be committed."""
+        with self._lock:
+            self._jobs = deque(j for j in self._jobs if j.committed)
+            self._by_path.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._jobs and self._jobs[0].committed:
+            self._jobs.popleft().plan.apply()
+
+
+def _temporary_path_class(publisher: _Publisher) -> type:
+    """Orbax's rename-on-commit temporary path, publishing through ``publisher`` instead of renaming to the final
+    name (built on first use: orbax is imported lazily)."""
+    from orbax.checkpoint.path import atomicity
+
+    class PublishingTemporaryPath(atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self) -> None:
+            final = str(self._final_path)
+            plan = publisher.lookup(final)
+            if plan is None:  # a save this callback did not plan: orbax's own commit
+                await super().finalize()
+                return
+            # orbax's commit (metadata, commit_success.txt, rename) into a name marked as unfinished ...
+            self._final_path = type(self._final_path)(plan.staged)
+            await super().finalize()
+            # ... then the plan gives it its names, switches last, removes what it replaces
+            publisher.committed(final)
+
+    return PublishingTemporaryPath
+
+
+# ============================================================================ the callback
+@dataclass
+class _Txn:
+    """What one trigger decided (Lightning's _save_checkpoint / _link_checkpoint / _remove_checkpoint calls)."""
+
+    names: list[str] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)
+    removals: list[str] = field(default_factory=list)
+
 
 class ModelCheckpoint(Callback):
-    """Saves the run periodically; keeps the ``save_top_k`` best by ``monitor`` and a ``last`` link.
+    """Saves the run periodically; keeps the ``save_top_k`` best by ``monitor`` and, with ``save_last``, a ``last``.
 
-    Arguments and triggers follow PyTorch Lightning: by default one checkpoint
-    per epoch (at train-epoch end, or after validation when validation runs
-    more often than once per epoch), ``every_n_train_steps`` /
-    ``every_n_epochs`` / ``train_time_interval`` change the cadence, and
-    ``filename`` is a template such as ``"{epoch}-{val_loss:.2f}"`` (names are
-    inserted as ``name=value`` unless ``auto_insert_metric_name=False``).
+    Arguments, triggers, file names and the files kept follow PyTorch
+    Lightning's ``ModelCheckpoint`` (2.6): by default one checkpoint per epoch
+    (at train-epoch end, or after validation when validation runs more often
+    than once per epoch), ``every_n_train_steps`` / ``every_n_epochs`` /
+    ``train_time_interval`` change the cadence, and ``filename`` is a template
+    such as ``"{epoch}-{val_loss:.2f}"``.
 
-    Each checkpoint is an orbax directory ``<dirpath>/<filename>.ckpt``. Saves
-    are asynchronous (``async_save=True``): the call returns once the arrays
-    are copied off the devices and training continues while they are written;
-    orbax writes into a temporary directory and renames it on commit, so only
-    complete checkpoints ever carry a final name. Files are removed (top-k
-    eviction) and the ``last.ckpt`` symlink is moved only after the newer
-    checkpoint has committed, so an interrupted save never leaves the run
-    without its previous checkpoint. ``best_model_path``, ``best_model_score``,
-    ``best_k_models``, ``kth_best_model_path`` and ``last_model_path`` are kept
-    as in Lightning and restored on resume.
+    ``save_last`` (default ``None``: no ``last`` file, as in Lightning;
+    ``ckpt_path="last"`` still finds the newest checkpoint by scanning):
+
+    - ``True``: ``last.ckpt`` is a checkpoint of its own, written whenever a
+      checkpoint is saved (and, with step or time triggers, at every trigger),
+      so it survives top-k eviction. When the same step is also a top-k
+      checkpoint the two share their files (hard links), so the state is
+      written to disk once.
+    - ``"link"``: ``last.ckpt`` is a symlink to the most recently saved
+      checkpoint (a real save only while there is none, or with
+      ``save_top_k=0``).
+
+    Each checkpoint is an orbax directory ``<dirpath>/<name>.ckpt``. Saves are
+    asynchronous (``async_save=True``): the call returns once the arrays are
+    copied off the devices and training continues while they are written.
+    When a save commits, its bookkeeping (names, ``last``, top-k removals)
+    happens at once in the commit thread, so it never lags behind fast steps
+    and never blocks the loop; at any instant, even under ``kill -9``, ``last``
+    resolves to the newest complete checkpoint. ``best_model_path``,
+    ``best_model_score``, ``best_k_models``, ``kth_best_model_path`` and
+    ``last_model_path`` are kept as in Lightning and restored on resume.
     """
 
     CHECKPOINT_JOIN_CHAR = "-"
@@ -46,7 +400,7 @@ class ModelCheckpoint(Callback):
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"
     STARTING_VERSION = 1
-    _is_checkpoint_callback = True
+    is_checkpoint_callback = True
 
     def __init__(
         self,
@@ -54,7 +408,7 @@ class ModelCheckpoint(Callback):
         filename: str | None = None,
         monitor: str | None = None,
         verbose: bool = False,
-        save_last: bool | None = None,
+        save_last: bool | Literal["link"] | None = None,
         save_top_k: int = 1,
         save_weights_only: bool = False,
         mode: str = "min",
@@ -66,6 +420,8 @@ class ModelCheckpoint(Callback):
         enable_version_counter: bool = True,
         async_save: bool = True,
     ) -> None:
+        if save_last not in (None, True, False, "link"):
+            raise ValueError(f"save_last={save_last!r}; choose None, False, True (a copy) or 'link' (a symlink)")
         if save_top_k < -1:
             raise ValueError(f"save_top_k={save_top_k} must be >= -1 (-1 keeps every checkpoint)")
         if mode not in ("min", "max"):
@@ -78,7 +434,7 @@ class ModelCheckpoint(Callback):
         for name, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an int >= 0")
-        if sum(bool(v) for v in (every_n_train_steps, every_n_epochs, train_time_interval)) > 1:
+        if sum(bool(v) for v in (every_n_train_steps, every_n_epochs)) + (train_time_interval is not None) > 1:
             raise ValueError(
                 f"every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs} and "
                 f"train_time_interval={train_time_interval} are mutually exclusive; set one of them"
@@ -94,7 +450,7 @@ class ModelCheckpoint(Callback):
         self.save_weights_only = save_weights_only
         self.mode = mode
         self.auto_insert_metric_name = auto_insert_metric_name
-        if not every_n_train_steps and not every_n_epochs and train_time_interval is None:
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
             every_n_epochs = 1
         self._every_n_train_steps = every_n_train_steps or 0
         self._every_n_epochs = every_n_epochs or 0
@@ -110,13 +466,24 @@ class ModelCheckpoint(Callback):
         self.best_model_path = ""
         self.last_model_path = ""
         self.current_score: float | None = None
-        self._newest_path = ""  # the most recent checkpoint written (what last.ckpt points at)
+        self._last_checkpoint_saved = ""  # Lightning's: the newest file written (what a "link" last points at)
         self._last_global_step_saved = 0  # Lightning: nothing to save before the first step
         self._last_progress_saved: tuple[int, int] | None = None
-        self._last_time_check: float | None = None
+        self._last_time_checked: float | None = None
+        self._defer_save_until_validation = False
+        self._newest_path = ""  # the data path of the newest save (what save_now reports)
+        self._extra_path = ""  # a forced (preemption) save outside the top k, kept until a newer save
         self._checkpointer: Any = None
-        self._pending: list[Callable[[], None]] = []  # run once the in-flight save has committed
-        self._dirpath_from_user = dirpath is not None
+        self._publisher = _Publisher()
+        self._txn: _Txn | None = None
+        self._committing: list[str] = []  # removals of the save being written (recorded in its state)
+        self._restored_removals: list[str] = []
+        # names this run published (True) or removed (False): the version counter's view of the directory,
+        # identical on every process whatever the commit timing
+        self._virtual: dict[str, bool] = {}
+        self._token_base = f"{os.getpid()}-"
+        self._token_count = 0
+        self._warn = WarnOnce()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -145,6 +512,11 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = self._broadcast(trainer, self._default_dirpath(trainer))
+        self._publisher.active = trainer.is_global_zero
+        if trainer.is_global_zero and stage == "fit":
+            self._repair(self.dirpath)
+            if self.save_top_k != 0 and os.path.isdir(self.dirpath) and os.listdir(self.dirpath):
+                rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
 
     def _default_dirpath(self, trainer: Trainer) -> str:
         if trainer.loggers:
@@ -166,6 +538,64 @@ class ModelCheckpoint(Callback):
             return value
         return client.blocking_key_value_get(key, 300_000)
 
+    def _repair(self, dirpath: str) -> None:
+        """Finish or undo what a killed run left mid-operation (process 0, at fit start, before any save).
+
+        - a ``last`` copy caught between its two renames (filesystems without an atomic exchange): the complete
+          copy gets its name back;
+        - marked intermediate names (staged data never published, half-removed checkpoints, temporary links)
+          and orbax's unfinished saves of our names are removed;
+        - ``last -> F -> E`` (F a placeholder whose exchange never happened) becomes ``last -> E`` and the
+          placeholder goes;
+        - with ``save_last="link"``, a link left one save behind (no atomic exchange) moves to the newest
+          complete checkpoint, which is what Lightning's link names.
+        """
+        if not os.path.isdir(dirpath):
+            return
+        token = self._token()
+        lasts = [
+            os.path.join(dirpath, n)
+            for n in os.listdir(dirpath)
+            if n.startswith(self.CHECKPOINT_NAME_LAST) and os.path.islink(os.path.join(dirpath, n))
+        ]
+        for name in os.listdir(dirpath):
+            m = _LEFTOVER.match(name)
+            placeholder = os.path.join(dirpath, m["base"]) if m and m["kind"] == "placeholder" else None
+            if placeholder is None or not os.path.islink(placeholder):
+                continue
+            # a switch cut short: links through the placeholder go straight to what it stands for; it goes
+            target = os.path.realpath(placeholder)
+            for lk in lasts:
+                if os.path.join(dirpath, os.readlink(lk)) == placeholder and _complete(target):
+                    _link(lk, target, token)
+            os.unlink(placeholder)
+        restore: dict[str, str] = {}
+        for name in sorted(os.listdir(dirpath), key=lambda n: "old" in n):  # copies (newer) before olds
+            m = _LEFTOVER.match(name)
+            path = os.path.join(dirpath, name)
+            if m and m["kind"] in ("copy", "old") and not os.path.lexists(os.path.join(dirpath, m["base"])):
+                if _whole(path) and m["base"] not in restore:
+                    restore[m["base"]] = path
+        for base, path in restore.items():
+            os.rename(path, os.path.join(dirpath, base))
+        partial = []
+        for name in os.listdir(dirpath):
+            if _LEFTOVER.match(name):
+                _dispose(os.path.join(dirpath, name), token)
+            elif name.endswith(self.FILE_EXTENSION + _MARK):  # orbax's own unfinished save of one of our names
+                partial.append(name)
+                _dispose(os.path.join(dirpath, name), token)
+        if partial:
+            rank_zero_info(f"jaxlight: removed unfinished checkpoint saves of an earlier run in {dirpath}: {partial}")
+        for head in lasts:
+            if self.save_last == "link" and _complete(head):
+                from jaxlight.checkpoint import find_last
+
+                newest = find_last([Path(dirpath)])
+                if newest is not None and os.path.realpath(newest) != os.path.realpath(head):
+                    if _meta_time(newest) > _meta_time(os.path.realpath(head)):
+                        _link(head, str(newest), token)
+
     # ------------------------------------------------------------------ triggers (Lightning's)
     def _should_skip_saving_checkpoint(self, trainer: Trainer) -> bool:
         return bool(
@@ -184,33 +614,84 @@ class ModelCheckpoint(Callback):
             return True
         return trainer.val_check_interval == 1.0
 
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self._last_time_checked = time.monotonic()
+        if self._restored_removals:  # a kill between a commit and its removals: finish them
+            removals, self._restored_removals = self._restored_removals, []
+            keep = set(self.best_k_models) | {self.best_model_path, self._last_checkpoint_saved, self._extra_path}
+            keep |= {self.last_model_path, self._resume_path(trainer)}
+            gone = [p for p in removals if p not in keep and self._in_dirpath(p)]
+            if gone:
+                self._publisher.submit(_Plan(self._token(), removals=gone))
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._run_pending()
-        if self._should_skip_saving_checkpoint(trainer):
-            return
+        skip_due_to_state = self._should_skip_saving_checkpoint(trainer)
         skip_batch = self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps != 0
         skip_time = True
         now = time.monotonic()
         if self._train_time_interval is not None:
-            if self._last_time_check is None:
-                self._last_time_check = now
-            due = now - self._last_time_check >= self._train_time_interval.total_seconds()
-            skip_time = not self._agree(trainer, due)
-            if not skip_time:
-                self._last_time_check = now
+            prev = self._last_time_checked
+            due = prev is not None and now - prev >= self._train_time_interval.total_seconds()
+            skip_time = not self._agree(trainer, due)  # clocks differ between processes
         if skip_batch and skip_time:
             return
-        self._save(trainer)
+        if not skip_time:
+            self._last_time_checked = now
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:
+            # a validation-only metric: save once validation has produced it
+            self._defer_save_until_validation = True
+            return
+        if self.monitor is not None and not self._should_save_on_train_epoch_end(trainer):
+            last_batch = trainer.num_training_batches != math.inf and batch_idx + 1 >= trainer.num_training_batches
+            cve = trainer.check_val_every_n_epoch
+            will_validate = bool(trainer.num_val_batches) and trainer.limit_val_batches != 0
+            will_validate = will_validate and (cve is None or (trainer.current_epoch + 1) % cve == 0)
+            if last_batch and will_validate:  # the monitored value is about to be refreshed
+                self._defer_save_until_validation = True
+                return
+        if skip_due_to_state:
+            return
+        self._begin()
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        self._commit(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not self._should_skip_saving_checkpoint(trainer) and self._should_save_on_train_epoch_end(trainer):
-            if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
-                self._save(trainer)
+            self._epoch_trigger(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if not self._should_skip_saving_checkpoint(trainer) and not self._should_save_on_train_epoch_end(trainer):
-            if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
-                self._save(trainer)
+        if self._should_skip_saving_checkpoint(trainer) or self._should_save_on_train_epoch_end(trainer):
+            return
+        if self._defer_save_until_validation:
+            candidates = self._monitor_candidates(trainer)
+            self._begin()
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+            self._commit(trainer)
+            self._defer_save_until_validation = False
+            return
+        self._epoch_trigger(trainer)
+
+    def _epoch_trigger(self, trainer: Trainer) -> None:
+        candidates = self._monitor_candidates(trainer)
+        self._begin()
+        if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+            self._save_topk_checkpoint(trainer, candidates)
+        # last follows only an actual save at this step, or (a link) the newest file
+        if self._last_global_step_saved == trainer.global_step or (
+            self.save_last == "link" and self._last_checkpoint_saved
+        ):
+            self._save_last_checkpoint(trainer, candidates)
+        self._commit(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        """Lightning: with ``save_last`` and nothing saved in the whole fit, ``last`` is written at the end."""
+        if self.save_last and not self._last_checkpoint_saved and not trainer.fast_dev_run:
+            self._begin()
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._commit(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
         # let an in-flight save commit: it is the run's newest complete state
@@ -221,7 +702,7 @@ class ModelCheckpoint(Callback):
 
     @staticmethod
     def _agree(trainer: Trainer, flag: bool) -> bool:
-        """Process 0's decision (clocks differ between processes; every process must save together)."""
+        """Process 0's decision (every process must save together)."""
         if jax.process_count() == 1:
             return flag
         import numpy as np
@@ -265,7 +746,7 @@ class ModelCheckpoint(Callback):
         return os.path.join(self.dirpath, name + self.FILE_EXTENSION)
 
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Any]:
-        """Host values of what the filename and monitor need (fetched only those: no full sync)."""
+        """Host values of what the filename and monitor need (only those are fetched: no full sync)."""
         names = {n[1:] for n in re.findall(r"(\{.*?)[:\}]", self.filename or "")}
         if self.monitor is not None:
             names.add(self.monitor)
@@ -274,29 +755,28 @@ class ModelCheckpoint(Callback):
             v = trainer.callback_metrics.get(n)
             if v is not None:
                 out[n] = float(v)
-        out.setdefault("epoch", trainer.current_epoch)
-        out["step"] = trainer.global_step
+        out["epoch"] = int(out["epoch"]) if "epoch" in out else trainer.current_epoch
+        out["step"] = int(out["step"]) if "step" in out else trainer.global_step
         return out
 
-    def _unique_path(self, path: str) -> str:
-        if not self._enable_version_counter:
-            return path
-        base = path[: -len(self.FILE_EXTENSION)]
-        ver = self.STARTING_VERSION
-        while os.path.lexists(path) or path in self.best_k_models or self._tmp_exists(path):
-            path = f"{base}{self.CHECKPOINT_JOIN_CHAR}v{ver}{self.FILE_EXTENSION}"
-            ver += 1
-        return path
+    def file_exists(self, filepath: str, trainer: Trainer | None = None) -> bool:
+        """Whether ``filepath`` exists, counting this run's saves and removals still being committed."""
+        if filepath in self._virtual:
+            return self._virtual[filepath]
+        return os.path.lexists(filepath)
 
-    @staticmethod
-    def _tmp_exists(path: str) -> bool:
-        d = os.path.dirname(path)
-        if not os.path.isdir(d):
-            return False
-        name = os.path.basename(path)
-        return any(f.startswith(name + ".orbax-checkpoint-tmp") for f in os.listdir(d))
+    def _get_metric_interpolated_filepath_name(
+        self, candidates: dict[str, Any], trainer: Trainer, del_filepath: str | None = None
+    ) -> str:
+        filepath = self.format_checkpoint_name(candidates)
+        if self._enable_version_counter:
+            ver = self.STARTING_VERSION
+            while self.file_exists(filepath, trainer) and filepath != del_filepath:
+                filepath = self.format_checkpoint_name(candidates, ver=ver)
+                ver += 1
+        return filepath
 
-    # ------------------------------------------------------------------ top-k bookkeeping
+    # ------------------------------------------------------------------ Lightning's top-k and last logic
     def check_monitor_top_k(self, trainer: Trainer, current: float | None = None) -> bool:
         if current is None:
             return False
@@ -307,12 +787,52 @@ class ModelCheckpoint(Callback):
         kth = self.best_k_models[self.kth_best_model_path]
         return current < kth if self.mode == "min" else current > kth
 
-    def _update_best(self, filepath: str, current: float) -> str | None:
+    def _save_topk_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
+        if self.save_top_k == 0:
+            return
+        if self.monitor is not None:
+            if self.monitor not in candidates:
+                msg = (
+                    f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored key in the logged "
+                    f"metrics: {sorted(trainer.callback_metrics)}. HINT: did you call self.log({self.monitor!r}, "
+                    f"value) in the LightningModule?"
+                )
+                if trainer.num_val_batches and trainer.limit_val_batches != 0:
+                    raise ValueError(msg)
+                self._warn(("monitor", self.monitor), msg)
+            self._save_monitor_checkpoint(trainer, candidates)
+        else:
+            self._save_none_monitor_checkpoint(trainer, candidates)
+
+    def _save_monitor_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
+        assert self.monitor is not None
+        current = candidates.get(self.monitor)
+        if self.check_monitor_top_k(trainer, current):
+            assert current is not None
+            self._update_best_and_save(current, trainer, candidates)
+        elif self.verbose:
+            rank_zero_info(
+                f"Epoch {candidates['epoch']:d}, global step {candidates['step']:d}: {self.monitor!r} was not in "
+                f"top {self.save_top_k}"
+            )
+
+    def _save_none_monitor_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
+        filepath = self._get_metric_interpolated_filepath_name(candidates, trainer, self.best_model_path)
+        previous, self.best_model_path = self.best_model_path, filepath
+        self._save_checkpoint(trainer, filepath)
+        if self.save_top_k == 1 and previous and self._should_remove_checkpoint(trainer, previous, filepath):
+            self._remove_checkpoint(trainer, previous)
+
+    def _update_best_and_save(self, current: float, trainer: Trainer, candidates: dict[str, Any]) -> None:
         k = len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
-        evicted = None
+        del_filepath = None
         if len(self.best_k_models) == k and k > 0:
-            evicted = self.kth_best_model_path
-            self.best_k_models.pop(evicted)
+            del_filepath = self.kth_best_model_path
+            self.best_k_models.pop(del_filepath)
+        if math.isnan(current):  # a NaN score ranks last
+            current = math.inf if self.mode == "min" else -math.inf
+        filepath = self._get_metric_interpolated_filepath_name(candidates, trainer, del_filepath)
+        self.current_score = current
         self.best_k_models[filepath] = current
         if len(self.best_k_models) == k:
             pick = max if self.mode == "min" else min
@@ -321,153 +841,172 @@ class ModelCheckpoint(Callback):
         pick = min if self.mode == "min" else max
         self.best_model_path = pick(self.best_k_models, key=self.best_k_models.get)  # type: ignore[arg-type]
         self.best_model_score = self.best_k_models[self.best_model_path]
-        return evicted
+        if self.verbose:
+            rank_zero_info(
+                f"Epoch {candidates['epoch']:d}, global step {candidates['step']:d}: {self.monitor!r} reached "
+                f"{current:0.5f} (best {self.best_model_score:0.5f}), saving model to {filepath!r} as top {k}"
+            )
+        self._save_checkpoint(trainer, filepath)
+        if del_filepath and self._should_remove_checkpoint(trainer, del_filepath, filepath):
+            self._remove_checkpoint(trainer, del_filepath)
 
-    def _keep(self) -> set[str]:
-        keep = set(self.best_k_models) | {self._newest_path}
-        if self.monitor is None and self.best_model_path:
-            keep.add(self.best_model_path)
-        keep.discard("")
-        return keep
-
-    # ------------------------------------------------------------------ saving
-    def _save(
-        self, trainer: Trainer, *, force: bool = False, sync: bool = False, reason: str = "periodic"
-    ) -> str | None:
-        """One trigger: decide which files this save is, write it, schedule the clean-up after commit."""
-        self._run_pending()
-        candidates = self._monitor_candidates(trainer)
-        current = None
-        keep_top = False
-        if self.save_top_k != 0:
-            if self.monitor is None:
-                keep_top = True
-            else:
-                current = candidates.get(self.monitor)
-                if current is None:
-                    msg = (
-                        f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored key in the "
-                        f"logged metrics: {sorted(trainer.callback_metrics)}. HINT: did you call "
-                        f"self.log({self.monitor!r}, value) in the LightningModule?"
-                    )
-                    if trainer.num_val_batches and not force:
-                        raise ValueError(msg)
-                    if trainer.is_global_zero and not force:
-                        print(f"jaxlight: {msg}")
-                else:
-                    if math.isnan(current):
-                        current = math.inf if self.mode == "min" else -math.inf
-                    self.current_score = current
-                    keep_top = self.check_monitor_top_k(trainer, current)
-        if not (keep_top or self.save_last or force):
-            self._last_global_step_saved = trainer.global_step
-            if self.verbose and trainer.is_global_zero and current is not None:
-                print(
-                    f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {self.monitor!r} "
-                    f"was not in top {self.save_top_k}"
-                )
-            return None
-        filepath = self._unique_path(self.format_checkpoint_name(candidates))
-        drop: set[str] = set()
-        if keep_top and self.monitor is not None:
-            assert current is not None
-            prev_best = self.best_model_score
-            evicted = self._update_best(filepath, current)
-            if evicted:
-                drop.add(evicted)
-            if self.verbose and trainer.is_global_zero:
-                print(
-                    f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {self.monitor!r} "
-                    f"reached {current:.5f} (best {self.best_model_score:.5f}, was {prev_best}), saving model "
-                    f"to {filepath!r} as top {self.save_top_k}"
-                )
-        elif keep_top:  # no monitor: the newest is the "best"; top_k=1 keeps only it, -1 keeps all
-            if self.save_top_k == 1 and self.best_model_path:
-                drop.add(self.best_model_path)
-            self.best_model_path = filepath
-            if self.save_top_k == -1:
-                self.best_k_models[filepath] = float(trainer.global_step)
-        if self._newest_path:
-            drop.add(self._newest_path)
-        self._newest_path = filepath
-        if self.save_last:
-            self.last_model_path = os.path.join(self.dirpath or "", self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        self._write(trainer, filepath, sync=sync, reason=reason)
-        self._last_global_step_saved = trainer.global_step
-        self._last_progress_saved = (trainer.global_step, trainer._micro_batches)
-        keep = self._keep()
-        drop = {p for p in drop if p not in keep}
-        link_to = filepath if self.save_last else None
-        self._pending.append(lambda: self._after_commit(trainer, drop, link_to))
-        if sync:
-            self.wait_until_finished()
+    def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
+        if not self.save_last:
+            return
+        filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST)
+        if self._enable_version_counter:
+            ver = self.STARTING_VERSION
+            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
+                filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST, ver=ver)
+                ver += 1
+        previous, self.last_model_path = self.last_model_path, filepath
+        if self.save_last == "link" and self._last_checkpoint_saved and self.save_top_k != 0:
+            self._link_checkpoint(trainer, self._last_checkpoint_saved, filepath)
         else:
-            self._run_pending()
-        return filepath
+            self._save_checkpoint(trainer, filepath)
+        if previous and self._should_remove_checkpoint(trainer, previous, filepath):
+            self._remove_checkpoint(trainer, previous)
+
+    def _resume_path(self, trainer: Trainer) -> str:
+        p = trainer.ckpt_path
+        return os.path.realpath(p) if isinstance(p, (str, os.PathLike)) and os.path.exists(p) else ""
+
+    def _in_dirpath(self, path: str) -> bool:
+        return self.dirpath is not None and os.path.dirname(os.path.abspath(path)) == self.dirpath
+
+    def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
+        """Lightning's rule: never the file just written, one outside ``dirpath``, or the one resumed from."""
+        if previous == current or not self._in_dirpath(previous):
+            return False
+        resume = self._resume_path(trainer)
+        return not (resume and os.path.realpath(previous) == resume)
+
+    # ------------------------------------------------------------------ recording a trigger's decisions
+    def _begin(self) -> None:
+        self._txn = _Txn()
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        assert self._txn is not None
+        self._txn.names.append(filepath)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+
+    def _link_checkpoint(self, trainer: Trainer, filepath: str, linkpath: str) -> None:
+        assert self._txn is not None
+        if os.path.abspath(filepath) != os.path.abspath(linkpath):
+            self._txn.links.append((linkpath, filepath))
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        assert self._txn is not None
+        self._txn.removals.append(filepath)
+
+    def _token(self) -> str:
+        self._token_count += 1
+        return f"{self._token_base}{self._token_count}"
+
+    def _commit(self, trainer: Trainer, *, sync: bool = False, reason: str = "periodic") -> None:
+        """Write the trigger's checkpoint (one orbax save) and hand its plan to the publisher."""
+        txn, self._txn = self._txn, None
+        if txn is None or not (txn.names or txn.links or txn.removals):
+            return
+        if txn.names and self._extra_path and self._extra_path not in txn.names:
+            kept = set(self.best_k_models) | {self.best_model_path, self._last_checkpoint_saved}
+            if self._extra_path not in kept and self._should_remove_checkpoint(trainer, self._extra_path, ""):
+                txn.removals.append(self._extra_path)
+            self._extra_path = ""
+        token = self._token()
+        protect = set(txn.names) | {t for _, t in txn.links} | {lk for lk, _ in txn.links}
+        resume = self._resume_path(trainer)
+        plan = _Plan(
+            token,
+            names=list(dict.fromkeys(txn.names)),
+            links=txn.links,
+            removals=[p for p in dict.fromkeys(txn.removals) if p not in protect],
+            protect=frozenset(protect | ({resume} if resume else set())),
+        )
+        # orbax writes to a path that does not exist: the final name, or a stand-in when this run used the name
+        # before or it is on disk (Lightning overwrites such a file; here the commit exchanges it)
+        primary = plan.names[0] if plan.names else ""
+        fresh = bool(primary) and primary not in self._virtual and not os.path.lexists(primary)
+        for p in plan.removals:
+            self._virtual[p] = False
+        for p in protect:
+            self._virtual[p] = True
+        if not plan.names:
+            self._publisher.submit(plan)
+            return
+        plan.staged = _marked(primary, "staged", token)
+        orbax_path = primary if fresh else _marked(primary, "next", token)
+        self._publisher.expect(orbax_path, plan)
+        self._committing = plan.removals
+        try:
+            self._write(trainer, orbax_path, sync=sync, reason=reason)
+        except BaseException:
+            self._publisher.forget(orbax_path)
+            raise
+        finally:
+            self._committing = []
+        self._newest_path = primary
+        self._last_progress_saved = (trainer.global_step, trainer.position.micro_batches)
 
     def _write(self, trainer: Trainer, filepath: str, *, sync: bool, reason: str) -> None:
-        from jaxlight.checkpoint import _new_checkpointer, save_checkpoint
+        from jaxlight.checkpoint import save_checkpoint
 
         if self._checkpointer is None:
-            self._checkpointer = _new_checkpointer(async_=self.async_save)
+            self._checkpointer = self._new_checkpointer()
         if trainer.is_global_zero:
             os.makedirs(os.path.dirname(filepath), exist_ok=True)
         save_checkpoint(
             trainer, filepath, weights_only=self.save_weights_only, checkpointer=self._checkpointer, reason=reason
         )
-        if sync and hasattr(self._checkpointer, "wait_until_finished"):
-            self._checkpointer.wait_until_finished()
+        if sync or not self.async_save:
+            self.wait_until_finished()
 
-    def _after_commit(self, trainer: Trainer, drop: set[str], link_to: str | None) -> None:
-        if not trainer.is_global_zero:
-            return
-        if link_to is not None:
-            link = os.path.join(os.path.dirname(link_to), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-            tmp = f"{link}.tmp-{os.getpid()}"
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-            os.symlink(os.path.basename(link_to), tmp)
-            os.replace(tmp, link)  # atomic switch: "last" always names a complete checkpoint
-        for p in drop:
-            if p in self._keep():
-                continue
-            if os.path.islink(p):
-                os.remove(p)
-            elif os.path.isdir(p):
-                shutil.rmtree(p, ignore_errors=True)
+    def _new_checkpointer(self) -> Any:
+        """jaxlight's checkpointer (same items), committing through this callback's publisher."""
+        from jaxlight.checkpoint import _new_checkpointer
 
-    def _run_pending(self) -> None:
-        """Finish bookkeeping of saves that have committed (never waits)."""
-        from jaxlight.checkpoint import save_in_flight
-
-        if not self._pending or (self._checkpointer is not None and save_in_flight(self._checkpointer)):
-            return
-        if self._checkpointer is not None and hasattr(self._checkpointer, "check_for_errors"):
-            self._checkpointer.check_for_errors()
-        pending, self._pending = self._pending, []
-        for fn in pending:
-            fn()
+        base = _new_checkpointer(async_=self.async_save)
+        return type(base)(base.handler, temporary_path_class=_temporary_path_class(self._publisher))
 
     def wait_until_finished(self) -> None:
-        """Block until every save has committed and its clean-up ran."""
+        """Block until every save has committed and its bookkeeping ran; raise a background save's error."""
         ck = self._checkpointer
-        if ck is not None and hasattr(ck, "wait_until_finished"):  # a synchronous Checkpointer has nothing pending
-            ck.wait_until_finished()
-            ck.check_for_errors()
-        self._run_pending()
+        if ck is not None and hasattr(ck, "wait_until_finished"):
+            try:
+                ck.wait_until_finished()
+                ck.check_for_errors()
+            except BaseException:
+                self._publisher.abandon()
+                raise
 
     def save_now(self, trainer: Trainer, reason: str = "preemption") -> str | None:
         """Write the current state synchronously (unless this exact point is already saved) and wait.
 
-        Used by :class:`jaxlight.callbacks.Preemption`; returns the checkpoint path.
+        Used by :class:`jaxlight.callbacks.Preemption`; returns the checkpoint path. The state is saved as a
+        top-k checkpoint when it qualifies, else as an extra one kept until the next save; ``last`` follows.
         """
         if self.dirpath is None:
             self.setup(trainer, trainer.lightning_module, "fit")
-        if self._last_progress_saved == (trainer.global_step, trainer._micro_batches) and self._newest_path:
+        if self._last_progress_saved == (trainer.global_step, trainer.position.micro_batches) and self._newest_path:
             self.wait_until_finished()
             return self._newest_path
-        path = self._save(trainer, force=True, sync=True, reason=reason)
-        return path
+        candidates = self._monitor_candidates(trainer)
+        self._begin()
+        assert self._txn is not None
+        if self.save_top_k != 0 and (self.monitor is None or self.monitor in candidates):
+            self._save_topk_checkpoint(trainer, candidates)
+        if not self._txn.names:
+            filepath = self._get_metric_interpolated_filepath_name(candidates, trainer)
+            self._save_checkpoint(trainer, filepath)
+            extra = filepath
+        else:
+            extra = ""
+        self._save_last_checkpoint(trainer, candidates)
+        self._commit(trainer, sync=True, reason=reason)
+        if extra:
+            self._extra_path = extra
+        return self._newest_path
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -481,26 +1020,49 @@ class ModelCheckpoint(Callback):
             "kth_best_model_path": self.kth_best_model_path,
             "kth_value": self.kth_value,
             "last_model_path": self.last_model_path,
-            "newest_path": self._newest_path,
+            "last_checkpoint_saved": self._last_checkpoint_saved,
             "last_global_step_saved": self._last_global_step_saved,
+            "extra_path": self._extra_path,
+            # what this save replaces: a resume from it removes them if a kill came before the removal
+            "pending_removals": list(self._committing),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_global_step_saved = state_dict.get("last_global_step_saved", self._last_global_step_saved)
-        if state_dict.get("dirpath") != self.dirpath:
-            if self.verbose:
-                print(
-                    f"jaxlight: ModelCheckpoint dirpath changed from {state_dict.get('dirpath')} to "
-                    f"{self.dirpath}; only best_model_path is restored"
-                )
-            self.best_model_path = state_dict.get("best_model_path", "")
-            return
-        self.best_model_score = state_dict.get("best_model_score")
+        dirpath_from_ckpt = state_dict.get("dirpath", self.dirpath)
         self.best_model_path = state_dict.get("best_model_path", "")
+        if dirpath_from_ckpt != self.dirpath:
+            rank_zero_warn(
+                f"The dirpath has changed from {dirpath_from_ckpt!r} to {self.dirpath!r}, therefore "
+                f"`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` "
+                f"won't be reloaded. Only `best_model_path` will be reloaded."
+            )
+            return
+
+        def present(p: str) -> str:
+            return p if p and os.path.lexists(p) else ""
+
+        self.best_model_score = state_dict.get("best_model_score")
         self.current_score = state_dict.get("current_score")
-        # only checkpoints that still exist (a kill between commit and clean-up can leave either state)
+        # only checkpoints that still exist (a kill between a commit and its clean-up can leave either state)
         self.best_k_models = {p: v for p, v in state_dict.get("best_k_models", {}).items() if os.path.exists(p)}
         self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
         self.kth_value = state_dict.get("kth_value", self.kth_value)
         self.last_model_path = state_dict.get("last_model_path", "")
-        self._newest_path = state_dict.get("newest_path", "")
+        self._last_checkpoint_saved = present(state_dict.get("last_checkpoint_saved", ""))
+        self._extra_path = present(state_dict.get("extra_path", ""))
+        self._restored_removals = [p for p in state_dict.get("pending_removals", []) if os.path.lexists(p)]
+        if self.monitor is not None and self.best_k_models and self.best_model_path not in self.best_k_models:
+            pick = min if self.mode == "min" else max
+            self.best_model_path = pick(self.best_k_models, key=self.best_k_models.get)  # type: ignore[arg-type]
+            self.best_model_score = self.best_k_models[self.best_model_path]
+        if self.kth_best_model_path and self.kth_best_model_path not in self.best_k_models:
+            pick = max if self.mode == "min" else min
+            if self.best_k_models:
+                self.kth_best_model_path = pick(self.best_k_models, key=self.best_k_models.get)  # type: ignore[arg-type]
+                self.kth_value = self.best_k_models[self.kth_best_model_path]
+            else:
+                self.kth_best_model_path = ""
+
+
+__all__ = ["ModelCheckpoint"]

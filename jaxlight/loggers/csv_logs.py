@@ -1,13 +1,14 @@
-"""CSVLogger: ``save_dir/name/version_N/metrics.csv`` and ``hparams.yaml``, as Lightning writes them."""
+"""CSVLogger: ``save_dir/name/version_N/metrics.csv`` and ``hparams.yaml``, as Lightning writes them, plus
+text and image artifacts as files beside them."""
 
 from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.loggers.logger import VersionedDirLogger
+from jaxlight.loggers.logger import VersionedDirLogger, artifact_step, image_batch, png_bytes, safe_key, text_table
 
 
 def _yaml_safe(value: Any) -> Any:
@@ -30,6 +31,14 @@ class CSVLogger(VersionedDirLogger):
     the widened header (so every row has every column). Non-finite values are
     written as ``nan``/``inf``. Hyperparameters go to ``hparams.yaml``.
     ``version=None`` takes the next free ``version_N``.
+
+    A write that fails (disk full) leaves ``metrics.csv`` as it was (a partial
+    append is cut off again) and keeps the rows for the next write.
+
+    Artifacts are files beside ``metrics.csv``: ``log_text`` writes
+    ``text/<key>/step=N.txt`` (a table: ``.csv``), ``log_image`` writes
+    ``images/<key>/step=N-<i>.png``; ``artifacts.csv`` lists every file with
+    its step, key and caption. A key's "/" makes subdirectories.
     """
 
     def __init__(
@@ -55,22 +64,10 @@ class CSVLogger(VersionedDirLogger):
         self._hparams.update(_yaml_safe(dict(params)))
         os.makedirs(self.log_dir, exist_ok=True)
         path = os.path.join(self.log_dir, "hparams.yaml")
-        try:
-            import yaml
+        import yaml  # a core dependency
 
-            with open(path, "w") as f:
-                yaml.safe_dump(self._hparams, f, sort_keys=False)
-        except ImportError:  # pragma: no cover - pyyaml comes with orbax
-            with open(path, "w") as f:
-                for k, v in self._hparams.items():
-                    f.write(f"{k}: {v!r}\n")
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        row: dict[str, Any] = {(self._prefix + k if self._prefix else k): v for k, v in metrics.items()}
-        row["step"] = step
-        self._rows.append(row)
-        if step is not None and self._flush_every and (step + 1) % self._flush_every == 0:
-            self.save()
+        with open(path, "w") as f:
+            yaml.safe_dump(self._hparams, f, sort_keys=False)
 
     def save(self) -> None:
         if not self._rows:
@@ -83,22 +80,120 @@ class CSVLogger(VersionedDirLogger):
                 self._columns = next(csv.reader(f), [])
             new_cols = [k for r in self._rows for k in r if k not in self._columns]
         if new_cols:
+            # the whole file again under a temporary name, then an atomic rename
             old: list[dict[str, Any]] = []
             if os.path.exists(path):
                 with open(path, newline="") as f:
                     old = list(csv.DictReader(f))
-            self._columns = list(dict.fromkeys(self._columns + new_cols))
+            columns = list(dict.fromkeys(self._columns + new_cols))
             tmp = path + ".tmp"
-            with open(tmp, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=self._columns)
-                w.writeheader()
-                w.writerows(old)
-                w.writerows(self._rows)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=columns)
+                    w.writeheader()
+                    w.writerows(old)
+                    w.writerows(self._rows)
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
+            self._columns = columns
         else:
-            with open(path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self._columns).writerows(self._rows)
+            size = os.path.getsize(path)
+            try:
+                with open(path, "a", newline="") as f:
+                    csv.DictWriter(f, fieldnames=self._columns).writerows(self._rows)
+            except BaseException:
+                _truncate(path, size)  # no half-written row; the rows stay kept for the next save
+                raise
         self._rows = []
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        row: dict[str, Any] = {(self._prefix + k if self._prefix else k): v for k, v in metrics.items()}
+        row["step"] = step
+        self._rows.append(row)
+        if step is not None and self._flush_every and (step + 1) % self._flush_every == 0:
+            try:
+                self.save()
+            except BaseException:
+                # the caller keeps and resends this call: take its row back so it is written once
+                self._rows.pop()
+                raise
+
+    # ---------------------------------------------------------------- artifacts
+    def log_text(
+        self,
+        key: str,
+        text: str | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """``text/<key>/step=N.txt`` for a string, ``.csv`` (with a header row) for a table."""
+        cols, rows, plain = text_table(text, columns, data)
+        folder = os.path.join(self.log_dir, "text", *safe_key(key).split("/"))
+        os.makedirs(folder, exist_ok=True)
+        path = _free(os.path.join(folder, artifact_step(step) + (".txt" if plain else ".csv")))
+        tmp = path + ".tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            if plain:
+                f.write(rows[0][0])
+            else:
+                w = csv.writer(f)
+                w.writerow(cols)
+                w.writerows(rows)
+        os.replace(tmp, path)
+        self._index([(step, key, "text", path, "")])
+
+    def log_image(
+        self, key: str, images: Sequence[Any], step: int | None = None, caption: Sequence[str] | None = None
+    ) -> None:
+        """``images/<key>/step=N-<i>.png`` per image (PNG keeps grayscale, RGB or RGBA as given)."""
+        arrays = image_batch(images, {"caption": caption})
+        folder = os.path.join(self.log_dir, "images", *safe_key(key).split("/"))
+        os.makedirs(folder, exist_ok=True)
+        entries = []
+        for i, arr in enumerate(arrays):
+            path = _free(os.path.join(folder, f"{artifact_step(step)}-{i}.png"))
+            with open(path + ".tmp", "wb") as f:
+                f.write(png_bytes(arr))
+            os.replace(path + ".tmp", path)
+            entries.append((step, key, "image", path, "" if caption is None else str(caption[i])))
+        self._index(entries)
+
+    @property
+    def artifacts_file_path(self) -> str:
+        return os.path.join(self.log_dir, "artifacts.csv")
+
+    def _index(self, entries: list[tuple[int | None, str, str, str, str]]) -> None:
+        path = self.artifacts_file_path
+        new = not os.path.exists(path)
+        with open(path, "a", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(["step", "key", "kind", "path", "caption"])
+            for step, key, kind, p, cap in entries:
+                w.writerow(["" if step is None else int(step), key, kind, os.path.relpath(p, self.log_dir), cap])
 
     def finalize(self, status: str) -> None:
         self.save()
+
+
+def _truncate(path: str, size: int) -> None:
+    try:
+        os.truncate(path, size)
+    except OSError:  # pragma: no cover - the original error is the one to report
+        pass
+
+
+def _free(path: str) -> str:
+    """``path``, or ``<stem>-v1<ext>``, ``-v2``, ... when it is taken (the same step logged twice)."""
+    if not os.path.exists(path):
+        return path
+    stem, ext = os.path.splitext(path)
+    v = 1
+    while os.path.exists(f"{stem}-v{v}{ext}"):
+        v += 1
+    return f"{stem}-v{v}{ext}"

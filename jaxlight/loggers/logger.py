@@ -1,18 +1,33 @@
-"""The Logger interface (Lightning's) and the fan-out used for several loggers."""
+"""The Logger interface (Lightning's), artifacts (text, images), and the fan-out that isolates failing trackers."""
 
 from __future__ import annotations
 
 import math
 import os
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+from jaxlight.imports import WarnOnce, process_rank, rank_zero_info, rank_zero_warn, require
 
 
 class Logger:
-    """Receives metrics and hyperparameters on process 0.
+    """Receives metrics, hyperparameters and artifacts on process 0.
 
     ``log_metrics`` gets host floats keyed by name, with the global step.
     Non-finite values are passed through as such (never dropped).
+
+    ``setup()`` creates the run (directory, event file, tracking run) and is
+    called by the trainer on process 0 when ``fit`` starts, before anything
+    is compiled, so a misconfigured tracker fails before any work is done.
+    It must be idempotent; the default does nothing.
+
+    ``log_text`` and ``log_image`` take artifacts, with the arguments of
+    Lightning's ``WandbLogger``; loggers that cannot store them leave the
+    defaults, which raise ``NotImplementedError`` (the fan-out skips such a
+    logger with one warning).
     """
 
     @property
@@ -35,11 +50,38 @@ class Logger:
     def root_dir(self) -> str | None:
         return None
 
+    def setup(self) -> None:
+        """Create the run now (a no-op by default). Errors propagate: they mean the logger is misconfigured."""
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         raise NotImplementedError
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         pass
+
+    def log_text(
+        self,
+        key: str,
+        text: str | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Log a text artifact: one string (``text``) or a table (``columns`` and ``data`` rows).
+
+        See :func:`text_table` for how the two forms relate.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not store text artifacts")
+
+    def log_image(self, key: str, images: Sequence[Any], step: int | None = None, **kwargs: Any) -> None:
+        """Log a list of images under ``key``; ``caption=[...]`` (one per image) where the backend shows captions.
+
+        An image is an array (``(H, W)``, ``(H, W, C)`` or ``(C, H, W)`` with C
+        in 1, 3, 4; floats in [0, 1] or integers in [0, 255]), a PIL image, a
+        matplotlib figure, or the path of an image file (see :func:`image_array`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not store images")
 
     def save(self) -> None:
         pass
@@ -101,35 +143,345 @@ class VersionedDirLogger(Logger):
         v = self.version
         return os.path.join(self.root_dir, v if isinstance(v, str) else f"version_{v}")
 
+    def setup(self) -> None:
+        """Fix the version and create the directory (an unwritable ``save_dir`` fails here, at fit start)."""
+        os.makedirs(self.log_dir, exist_ok=True)
+
+
+# ---------------------------------------------------------------------------- artifacts
+def text_table(
+    text: str | None = None, columns: Sequence[str] | None = None, data: Sequence[Sequence[Any]] | None = None
+) -> tuple[list[str], list[list[str]], bool]:
+    """``(columns, rows, is_plain_text)`` of a text artifact, checked.
+
+    ``text`` is one string (the table ``[["text"], [[text]]]``); otherwise
+    ``columns`` and ``data`` (rows of as many cells as columns) form a table.
+    Cells become strings. Raises ``ValueError``/``TypeError`` saying what is wrong.
+    """
+    if text is not None:
+        if columns is not None or data is not None:
+            raise ValueError("log_text takes either text= or columns= with data=, not both")
+        if not isinstance(text, str):
+            raise TypeError(f"log_text(text=...) must be a str, got {type(text).__name__}")
+        return ["text"], [[text]], True
+    if data is None:
+        raise ValueError("log_text needs text= (a string) or data= (rows of a table, with columns=)")
+    rows = [list(r) for r in data]
+    if columns is None:
+        raise ValueError("log_text(data=...) needs columns= (the table's column names)")
+    cols = [str(c) for c in columns]
+    bad = [i for i, r in enumerate(rows) if len(r) != len(cols)]
+    if bad:
+        raise ValueError(f"log_text: rows {bad[:10]} do not have {len(cols)} cells (columns={cols})")
+    return cols, [[str(c) for c in r] for r in rows], False
+
+
+def image_array(image: Any) -> Any:
+    """An image as a ``uint8`` numpy array of shape ``(H, W, C)`` with C in 1, 3 or 4.
+
+    Accepts numpy/jax/torch arrays (``(H, W)``, ``(H, W, C)``, or ``(C, H, W)``
+    when only the first axis can be channels), floats in [0, 1] (clipped) or
+    integers in [0, 255], PIL images, matplotlib figures and image file paths.
+    """
+    import numpy as np
+
+    if isinstance(image, (str, os.PathLike)):
+        from PIL import Image
+
+        with Image.open(os.fspath(image)) as im:
+            image = np.asarray(im.convert("RGBA" if "A" in im.getbands() else "RGB"))
+    elif hasattr(image, "canvas") and hasattr(image, "savefig"):  # a matplotlib Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        canvas = image.canvas if isinstance(image.canvas, FigureCanvasAgg) else FigureCanvasAgg(image)
+        canvas.draw()
+        image = np.asarray(canvas.buffer_rgba()).copy()
+    elif type(image).__module__.startswith("PIL."):
+        image = np.asarray(image.convert("RGBA" if "A" in image.getbands() else "RGB"))
+    elif hasattr(image, "detach") and hasattr(image, "cpu"):  # a torch tensor
+        image = image.detach().cpu().numpy()
+    arr = np.asarray(image)
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    elif arr.ndim == 3 and arr.shape[-1] not in (1, 3, 4) and arr.shape[0] in (1, 3, 4):
+        arr = np.moveaxis(arr, 0, -1)  # (C, H, W), as torch lays images out
+    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4) or 0 in arr.shape:
+        raise ValueError(
+            f"an image must be (H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4; got shape {tuple(np.shape(image))}"
+        )
+    if arr.dtype == np.bool_:
+        return arr.astype(np.uint8) * 255
+    if np.issubdtype(arr.dtype, np.floating):
+        if not np.isfinite(arr).all():
+            raise ValueError("an image holds NaN or Inf values")
+        return np.round(np.clip(arr, 0.0, 1.0) * 255.0).astype(np.uint8)
+    if np.issubdtype(arr.dtype, np.integer):
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > 255:
+            raise ValueError(f"an integer image must hold values in [0, 255], got [{lo}, {hi}]")
+        return arr.astype(np.uint8)
+    raise TypeError(f"cannot read an image from an array of dtype {arr.dtype}")
+
+
+def png_bytes(arr: Any) -> bytes:
+    """PNG encoding of an :func:`image_array` result (grayscale, RGB or RGBA kept as such)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr[:, :, 0] if arr.shape[-1] == 1 else arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_batch(images: Sequence[Any], kwargs: Mapping[str, Any], allowed: Sequence[str] = ("caption",)) -> list[Any]:
+    """Check ``log_image`` arguments; the images as :func:`image_array` arrays."""
+    if isinstance(images, (str, os.PathLike)) or not isinstance(images, (list, tuple)):
+        raise TypeError(f'log_image expects a list of images as "images", got {type(images).__name__}')
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"log_image got unsupported arguments {unknown}; this logger takes {list(allowed)}")
+    for k, v in kwargs.items():
+        if v is not None and (not isinstance(v, (list, tuple)) or len(v) != len(images)):
+            raise ValueError(f"log_image: {k}= must be a list with one entry per image ({len(images)})")
+    require("pillow", "log_image")
+    return [image_array(im) for im in images]
+
+
+def artifact_step(step: int | None) -> str:
+    """The ``step=N`` part of artifact file names."""
+    return "step=none" if step is None else f"step={int(step)}"
+
+
+def safe_key(key: str) -> str:
+    """``key`` as a relative path: "/" separates directories; empty, "." and ".." parts are refused."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"an artifact key must be a non-empty string, got {key!r}")
+    parts = key.replace("\\", "/").split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"artifact key {key!r} must be a relative name without empty, '.' or '..' parts")
+    return "/".join(parts)
+
+
+# ---------------------------------------------------------------------------- the fan-out
+@dataclass
+class _Outbox:
+    """What one logger could not take yet: calls kept in order and retried (lives on the logger object)."""
+
+    pending: deque = field(default_factory=deque)
+    dropped: int = 0
+    failures: int = 0
+    last_error: str = ""
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    warned: bool = False
+    warned_drop: bool = False
+
+
+def _outbox(lg: Logger) -> _Outbox:
+    # Kept on the logger, not the collection: the trainer builds a LoggerCollection per call.
+    ob = lg.__dict__.get("_jaxlight_outbox")
+    if ob is None:
+        ob = lg.__dict__["_jaxlight_outbox"] = _Outbox()
+    return ob
+
+
+def undelivered(lg: Logger) -> int:
+    """How many logging calls ``lg`` has not accepted so far (kept for a retry, or dropped past the limit)."""
+    ob = lg.__dict__.get("_jaxlight_outbox")
+    return 0 if ob is None else len(ob.pending) + ob.dropped
+
+
+def _label(lg: Logger) -> str:
+    return type(lg).__name__
+
 
 class LoggerCollection:
-    """Fans out to several loggers: every sink is attempted, the first failure is raised after."""
+    """Fans every call out to several loggers; a failing tracker never stops the run or the other loggers.
+
+    - ``setup()`` creates every logger's run and lets errors propagate: a
+      misconfigured tracker fails at fit start, before any work.
+    - Any later call that raises (server gone, disk full, ...) is reported
+      once per logger as a warning; the call is kept (at most
+      :attr:`max_pending` per logger, the oldest dropped first) and retried,
+      in order, before that logger's next call, waiting
+      :attr:`retry_min_s` doubling up to :attr:`retry_max_s` between
+      attempts so a dead server costs one failed call per interval. The
+      other loggers get every call as usual.
+    - ``finalize(status)`` tries what is still kept once more, finalizes each
+      logger, warns about what could not be delivered and returns
+      ``{logger class: calls not delivered}`` for the loggers that lost some.
+
+    The pending calls live on the logger objects, so short-lived collections
+    (one per call) share them. Argument errors (a bad image, a malformed
+    table) are raised to the caller before anything is sent. Every method
+    does nothing on processes other than 0 (loggers live on process 0), so
+    hooks that run on every process may call it as they are.
+    """
+
+    max_pending: int = 10_000
+    retry_min_s: float = 1.0
+    retry_max_s: float = 60.0
 
     def __init__(self, loggers: Sequence[Logger]) -> None:
         self.loggers = list(loggers)
 
-    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
-        first: BaseException | None = None
+    # ---------------------------------------------------------------- fit start: errors propagate
+    def setup(self) -> None:
+        """Create every logger's run now; raises the first logger's error as it comes."""
+        if process_rank() != 0:
+            return
         for lg in self.loggers:
+            lg.setup()
+
+    # ---------------------------------------------------------------- isolated calls
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self._deliver("log_metrics", (dict(metrics), step), {})
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self._deliver("log_hyperparams", (dict(params),), {})
+
+    def log_text(
+        self,
+        key: str,
+        text: str | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """A text artifact to every logger that stores text (see :meth:`Logger.log_text`)."""
+        safe_key(key)
+        cols, rows, plain = text_table(text, columns, data)
+        kw: dict[str, Any] = {"step": step}
+        if plain:
+            kw["text"] = text
+        else:
+            kw.update(columns=cols, data=rows)
+        self._deliver("log_text", (key,), kw, optional=True)
+
+    def log_image(
+        self, key: str, images: Sequence[Any], step: int | None = None, caption: Sequence[str] | None = None
+    ) -> None:
+        """Images to every logger that stores images; converted and checked once (see :func:`image_array`)."""
+        safe_key(key)
+        arrays = image_batch(images, {"caption": caption})
+        kw: dict[str, Any] = {"step": step}
+        if caption is not None:
+            kw["caption"] = [str(c) for c in caption]
+        self._deliver("log_image", (key, arrays), kw, optional=True)
+
+    def save(self) -> None:
+        if process_rank() != 0:
+            return
+        for lg in self.loggers:
+            ob = _outbox(lg)
+            try:
+                lg.save()
+            except Exception as e:  # kept rows stay in the logger; its next save writes them
+                self._failed(lg, ob, "save", e)
+
+    def finalize(self, status: str) -> dict[str, int]:
+        """Retry what is kept, finalize each logger, report and return what could not be delivered."""
+        lost: dict[str, int] = {}
+        if process_rank() != 0:
+            return lost
+        for lg in self.loggers:
+            ob = _outbox(lg)
+            if ob.pending:
+                self._flush(lg, ob)
+            try:
+                lg.finalize(status)
+            except Exception as e:
+                self._failed(lg, ob, "finalize", e)
+            n = len(ob.pending) + ob.dropped
+            if n:
+                kinds: dict[str, int] = {}
+                for method, _, _ in ob.pending:
+                    kinds[method] = kinds.get(method, 0) + 1
+                detail = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+                dropped = f", {ob.dropped} dropped past the limit of {self.max_pending}" if ob.dropped else ""
+                rank_zero_warn(
+                    f"{_label(lg)}: {n} logging call(s) could not be delivered ({detail or 'none kept'}{dropped}); "
+                    f"last error: {ob.last_error}",
+                    category=LoggerDeliveryWarning,
+                )
+                name = _label(lg)
+                lost[name] = lost.get(name, 0) + n
+        return lost
+
+    # ---------------------------------------------------------------- machinery
+    def _deliver(self, method: str, args: tuple, kwargs: dict[str, Any], optional: bool = False) -> None:
+        if process_rank() != 0:
+            return
+        now = time.monotonic()
+        for lg in self.loggers:
+            if optional and getattr(type(lg), method, None) is getattr(Logger, method):
+                _SKIPPED(
+                    (type(lg), method),
+                    f"{_label(lg)} does not implement {method}; {method} calls are not sent to it",
+                )
+                continue
+            ob = _outbox(lg)
+            call = (method, args, kwargs)
+            if ob.pending and (now < ob.retry_at or not self._flush(lg, ob)):
+                self._keep(lg, ob, call)
+                continue
             try:
                 getattr(lg, method)(*args, **kwargs)
             except Exception as e:
-                if first is None:
-                    first = e
-        if first is not None:
-            raise first
+                self._failed(lg, ob, method, e)
+                self._keep(lg, ob, call)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._each("log_metrics", metrics, step)
+    def _flush(self, lg: Logger, ob: _Outbox) -> bool:
+        """Send the kept calls in order; False (and a new back-off) at the first that fails again."""
+        sent = 0
+        while ob.pending:
+            method, args, kwargs = ob.pending[0]
+            try:
+                getattr(lg, method)(*args, **kwargs)
+            except Exception as e:
+                self._failed(lg, ob, method, e)
+                return False
+            ob.pending.popleft()
+            sent += 1
+        if sent:
+            ob.backoff = 0.0
+            rank_zero_info(f"jaxlight: {_label(lg)} works again; delivered {sent} kept logging call(s)")
+        return True
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self._each("log_hyperparams", params)
+    def _keep(self, lg: Logger, ob: _Outbox, call: tuple) -> None:
+        if len(ob.pending) >= self.max_pending:
+            ob.pending.popleft()
+            ob.dropped += 1
+            if not ob.warned_drop:
+                ob.warned_drop = True
+                rank_zero_warn(
+                    f"{_label(lg)} has {self.max_pending} logging calls waiting; dropping the oldest from now on",
+                    category=LoggerDeliveryWarning,
+                )
+        ob.pending.append(call)
 
-    def save(self) -> None:
-        self._each("save")
+    def _failed(self, lg: Logger, ob: _Outbox, method: str, e: Exception) -> None:
+        ob.failures += 1
+        ob.last_error = f"{method}: {type(e).__name__}: {e}"
+        ob.backoff = min(max(self.retry_min_s, ob.backoff * 2), self.retry_max_s)
+        ob.retry_at = time.monotonic() + ob.backoff
+        if not ob.warned:
+            ob.warned = True
+            rank_zero_warn(
+                f"{_label(lg)} failed in {method} ({type(e).__name__}: {e}). Training goes on and the other "
+                f"loggers are not affected; this logger's calls are kept (up to {self.max_pending}) and retried, "
+                f"and the end of the run reports any that could not be delivered.",
+                category=LoggerDeliveryWarning,
+            )
 
-    def finalize(self, status: str) -> None:
-        self._each("finalize", status)
+
+class LoggerDeliveryWarning(UserWarning):
+    """A logger failed to take a call (it is kept and retried), or calls were finally not delivered."""
+
+
+_SKIPPED = WarnOnce()  # (logger class, method) pairs already reported as unsupported
 
 
 def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

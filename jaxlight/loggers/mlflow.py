@@ -1,14 +1,17 @@
-"""MLFlowLogger: metrics and hyperparameters to an MLflow tracking server or local store."""
+"""MLFlowLogger: metrics, hyperparameters and artifacts to an MLflow tracking server or local store."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.loggers.logger import Logger, flatten_hparams
+from jaxlight.imports import require
+from jaxlight.loggers.logger import Logger, artifact_step, flatten_hparams, image_batch, safe_key, text_table
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a parameter value's length
 
@@ -16,10 +19,14 @@ _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a parameter value's length
 class MLFlowLogger(Logger):
     """Logs to an MLflow run (Lightning's ``MLFlowLogger`` arguments).
 
-    ``mlflow`` is imported, and the experiment and run created, on first use
-    (``self.experiment``), on process 0 only (the trainer calls loggers there).
-    ``tracking_uri`` may be a server, ``sqlite:///path.db`` or ``file:`` store;
-    unset, it is ``$MLFLOW_TRACKING_URI`` or ``file:<save_dir>``. Metrics are
+    ``mlflow`` is imported, and the experiment and run created, by ``setup()``
+    (the trainer calls it when fit starts, so a bad URI fails before any
+    compile) or on first use (``self.experiment``), on process 0 only.
+    ``tracking_uri`` may be a server, ``sqlite:///path.db`` or another store
+    MLflow accepts; unset, it is ``$MLFLOW_TRACKING_URI`` or, unlike
+    Lightning (whose ``file:`` default MLflow 3 refuses), the SQLite store
+    ``sqlite:///<save_dir>/mlflow.db`` with artifacts in
+    ``<save_dir>/artifacts`` for experiments it creates. Metrics are
     logged with the trainer's step; NaN is kept as NaN (MLflow's stores clamp
     +/-Inf to +/-1.8e308, a limit of MLflow). Hyperparameters are logged once
     per run: the same key again with the same value is skipped, with a
@@ -27,6 +34,12 @@ class MLFlowLogger(Logger):
     id is part of ``state_dict()``, so a run resumed from a checkpoint keeps
     logging into the same MLflow run; ``run_id=`` does the same by hand.
     ``finalize`` marks the run FINISHED/FAILED.
+
+    ``log_text`` stores ``text/<key>/step=N.txt`` (a table: ``.csv``) as run
+    artifacts (``MlflowClient.log_text``); ``log_image`` logs step-keyed
+    images (``MlflowClient.log_image(key=..., step=...)``, shown with a step
+    slider in the UI; ``key_<i>`` for the i-th of several). MLflow has no
+    image captions; captions go to the other loggers only.
     """
 
     LOGGER_JOIN_CHAR = "-"
@@ -43,6 +56,7 @@ class MLFlowLogger(Logger):
         artifact_location: str | None = None,
         run_id: str | None = None,
     ) -> None:
+        require("mlflow", "MLFlowLogger")
         if log_model:
             raise ValueError(
                 "MLFlowLogger(log_model=True) is not supported; checkpoints are orbax directories "
@@ -50,8 +64,13 @@ class MLFlowLogger(Logger):
             )
         if tracking_uri is None:
             tracking_uri = os.getenv("MLFLOW_TRACKING_URI")
+        self._local_store = False
         if tracking_uri is None and save_dir is not None:
-            tracking_uri = f"file:{os.path.abspath(save_dir)}"
+            # MLflow 3 refuses the file store Lightning defaults to; SQLite keeps everything under save_dir
+            tracking_uri = f"sqlite:///{os.path.abspath(save_dir)}/mlflow.db"
+            self._local_store = True
+            if artifact_location is None:
+                artifact_location = os.path.join(os.path.abspath(save_dir), "artifacts")
         self._experiment_name = experiment_name
         self._run_name = run_name
         self._tracking_uri = tracking_uri
@@ -71,6 +90,8 @@ class MLFlowLogger(Logger):
             return self._client
         from mlflow.tracking import MlflowClient
 
+        if self._local_store and self._save_dir is not None:
+            os.makedirs(self._save_dir, exist_ok=True)
         client = MlflowClient(tracking_uri=self._tracking_uri)
         if self._run_id is not None:
             run = client.get_run(self._run_id)
@@ -94,6 +115,10 @@ class MLFlowLogger(Logger):
         self._client = client
         return client
 
+    def setup(self) -> None:
+        """Connect, create (or find) the experiment and create (or reopen) the run now."""
+        _ = self.experiment
+
     @property
     def run_id(self) -> str:
         _ = self.experiment
@@ -115,6 +140,9 @@ class MLFlowLogger(Logger):
 
     @property
     def save_dir(self) -> str | None:
+        """The local directory holding the store (the default SQLite store or a ``file:`` store), else None."""
+        if self._local_store and self._save_dir is not None:
+            return os.path.abspath(self._save_dir)
         uri = self._tracking_uri or ""
         return uri[len("file:") :] if uri.startswith("file:") else None
 
@@ -157,6 +185,40 @@ class MLFlowLogger(Logger):
         client = self.experiment
         for i in range(0, len(items), 1000):
             client.log_batch(self._run_id, metrics=items[i : i + 1000])
+
+    def log_text(
+        self,
+        key: str,
+        text: str | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        step: int | None = None,
+    ) -> None:
+        cols, rows, plain = text_table(text, columns, data)
+        path = f"text/{safe_key(key)}/{artifact_step(step)}"
+        if plain:
+            self.experiment.log_text(self.run_id, rows[0][0], f"{path}.txt")
+        else:
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            w.writerow(cols)
+            w.writerows(rows)
+            self.experiment.log_text(self.run_id, buf.getvalue(), f"{path}.csv")
+
+    def log_image(
+        self, key: str, images: Sequence[Any], step: int | None = None, caption: Sequence[str] | None = None
+    ) -> None:
+        arrays = image_batch(images, {"caption": caption})
+        name = re.sub(r"[^A-Za-z0-9_\-. /]", "_", safe_key(key))
+        client = self.experiment
+        for i, arr in enumerate(arrays):
+            client.log_image(
+                self.run_id,
+                arr[:, :, 0] if arr.shape[-1] == 1 else arr,
+                key=name if len(arrays) == 1 else f"{name}_{i}",
+                step=0 if step is None else int(step),
+            )
 
     def finalize(self, status: str) -> None:
         if self._client is None:

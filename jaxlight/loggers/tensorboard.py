@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.loggers.logger import VersionedDirLogger, flatten_hparams
+from jaxlight.imports import require
+from jaxlight.loggers.logger import VersionedDirLogger, flatten_hparams, image_batch, png_bytes, safe_key, text_table
 
 
 class TensorBoardLogger(VersionedDirLogger):
@@ -19,6 +20,10 @@ class TensorBoardLogger(VersionedDirLogger):
     HParams dashboard (with ``hp_metric`` set to -1 when
     ``default_hp_metric``, as Lightning does). A resumed run appends to the
     same version directory: the version is part of ``state_dict()``.
+
+    ``log_text`` writes to the Text tab (a table as a markdown table),
+    ``log_image`` to the Images tab (tag ``key``, or ``key/i`` for several
+    images), both with tensorboard's own summary protos.
     """
 
     LOGGER_JOIN_CHAR = "-"
@@ -33,6 +38,7 @@ class TensorBoardLogger(VersionedDirLogger):
         sub_dir: str | None = None,
         flush_secs: int = 120,
     ) -> None:
+        require("tensorboard", "TensorBoardLogger")
         super().__init__(save_dir, name, version)
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
@@ -56,6 +62,10 @@ class TensorBoardLogger(VersionedDirLogger):
             self._writer = EventFileWriter(self.log_dir, flush_secs=self._flush_secs)
         return self._writer
 
+    def setup(self) -> None:
+        """Create the version directory and open the event file."""
+        _ = self.experiment
+
     def _add(self, summary: Any, step: int | None) -> None:
         from tensorboard.compat.proto import event_pb2
 
@@ -70,6 +80,52 @@ class TensorBoardLogger(VersionedDirLogger):
             values.append(summary_pb2.Summary.Value(tag=tag, simple_value=float(v)))
         if values:
             self._add(summary_pb2.Summary(value=values), step)
+
+    def log_text(
+        self,
+        key: str,
+        text: str | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        step: int | None = None,
+    ) -> None:
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        cols, rows, plain = text_table(text, columns, data)
+        if plain:
+            body = rows[0][0]
+        else:  # the Text tab renders markdown tables
+
+            def cell(c: str) -> str:
+                return c.replace("|", "\\|").replace("\n", " ")
+
+            lines = ["| " + " | ".join(map(cell, cols)) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
+            body = "\n".join(lines)
+        self._add(text_pb(self._tag(safe_key(key)), body), step)
+
+    def log_image(
+        self, key: str, images: Sequence[Any], step: int | None = None, caption: Sequence[str] | None = None
+    ) -> None:
+        """One PNG per image; captions become the summary's description."""
+        from tensorboard.compat.proto import summary_pb2
+
+        arrays = image_batch(images, {"caption": caption})
+        tag = self._tag(safe_key(key))
+        values = []
+        for i, arr in enumerate(arrays):
+            img = summary_pb2.Summary.Image(
+                height=arr.shape[0], width=arr.shape[1], colorspace=arr.shape[2], encoded_image_string=png_bytes(arr)
+            )
+            v = summary_pb2.Summary.Value(tag=tag if len(arrays) == 1 else f"{tag}/{i}", image=img)
+            if caption is not None:
+                v.metadata.summary_description = str(caption[i])
+            values.append(v)
+        self._add(summary_pb2.Summary(value=values), step)
+
+    def _tag(self, key: str) -> str:
+        return f"{self._prefix}{self.LOGGER_JOIN_CHAR}{key}" if self._prefix else key
 
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
         from tensorboard.plugins.hparams import summary_v2 as hp

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.loggers.logger import Logger, flatten_hparams
+from jaxlight.imports import require
+from jaxlight.loggers.logger import Logger, flatten_hparams, image_batch, safe_key, text_table
 
 
 class WandbLogger(Logger):
@@ -23,6 +24,12 @@ class WandbLogger(Logger):
     by hand. ``finalize`` does not finish the run (call ``wandb.finish()`` or
     ``logger.experiment.finish()``), so ``trainer.test`` after ``fit`` logs to
     the same run. Extra keyword arguments go to ``wandb.init``.
+
+    ``log_text`` logs a ``wandb.Table`` (a plain string as a one-cell table
+    with the column ``text``) and ``log_image`` a list of ``wandb.Image``, as
+    Lightning's logger does; ``log_image``'s other keyword arguments (``caption``,
+    ``masks``, ``boxes``, ...) are lists with one entry per image, passed to
+    ``wandb.Image``.
     """
 
     LOGGER_JOIN_CHAR = "-"
@@ -42,6 +49,7 @@ class WandbLogger(Logger):
         prefix: str = "",
         **kwargs: Any,
     ) -> None:
+        require("wandb", "WandbLogger")
         if log_model:
             raise ValueError(
                 "WandbLogger(log_model=True) is not supported; checkpoints are orbax directories "
@@ -87,6 +95,10 @@ class WandbLogger(Logger):
         self._id = run.id
         return run
 
+    def setup(self) -> None:
+        """Start the run (``wandb.init``) now, so a bad project, entity or key fails at fit start."""
+        _ = self.experiment
+
     @property
     def name(self) -> str | None:
         return self._project
@@ -106,11 +118,39 @@ class WandbLogger(Logger):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         self.experiment.config.update(flatten_hparams(params), allow_val_change=True)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         out = {(f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k): v for k, v in metrics.items()}
         if step is not None:
             out["trainer/global_step"] = step
         self.experiment.log(out)
+
+    def log_text(
+        self,
+        key: str,
+        text: str | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        step: int | None = None,
+        dataframe: Any = None,
+    ) -> None:
+        """A ``wandb.Table`` under ``key`` (``dataframe=`` takes a pandas DataFrame, as in Lightning)."""
+        import wandb
+
+        if dataframe is not None:
+            table = wandb.Table(dataframe=dataframe)
+        else:
+            cols, rows, _ = text_table(text, columns, data)
+            table = wandb.Table(columns=cols, data=rows)
+        self.log_metrics({safe_key(key): table}, step)
+
+    def log_image(self, key: str, images: Sequence[Any], step: int | None = None, **kwargs: Any) -> None:
+        """A list of ``wandb.Image`` under ``key``; each keyword argument is a list with one entry per image."""
+        import wandb
+
+        arrays = [a[:, :, 0] if a.shape[-1] == 1 else a for a in image_batch(images, kwargs, allowed=tuple(kwargs))]
+        per_image = [{k: v[i] for k, v in kwargs.items() if v is not None} for i in range(len(arrays))]
+        self.log_metrics({safe_key(key): [wandb.Image(a, **kw) for a, kw in zip(arrays, per_image)]}, step)
 
     def finalize(self, status: str) -> None:
         pass  # the run stays open for later stages; wandb finishes it at exit or on wandb.finish()
