@@ -11,8 +11,14 @@ so the same script runs data parallel, FSDP or tensor parallel:
 
 On CPU, ``--devices N`` > 1 makes XLA simulate N host devices (it sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts).
-Metrics go to ``<out>/lightning_logs/version_*/metrics.csv``; a text sample
-is printed at the end.
+Metrics go to ``<out>/lightning_logs/version_*/metrics.csv``; at the end the
+script prints a text sample and writes the training-loss and validation curves
+as PNG files beside the CSV (``plots/train_loss.png``, ``plots/val_loss.png``,
+...; what ``jaxlight plot`` writes) and prints their paths.
+
+A rerun starts faster: the compiled programs are kept in jaxlight's
+persistent compilation cache (``~/.cache/jaxlight/compile``; see
+docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -276,6 +282,18 @@ def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
     return trainer, model, history.values()
 
 
+def write_plots(csv_path: str) -> list[str]:
+    """PNG curves of every metric in ``csv_path`` (train loss, validation loss, ...), as ``jaxlight plot`` draws
+    them, in ``plots/`` beside it; returns their paths. Empty when matplotlib is not installed."""
+    try:
+        from jaxlight.plot import plot_metrics
+
+        return sorted(str(p) for p in plot_metrics(csv_path))
+    except ImportError as e:  # matplotlib is the optional "plot" extra
+        print(f"plots: not written ({e}; pip install matplotlib)")
+        return []
+
+
 def main(args: argparse.Namespace) -> dict[str, float]:
     t0 = time.perf_counter()
     trainer, model, losses = train(args)
@@ -297,13 +315,18 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         f"uniform guess = ln 256 = {np.log(256):.3f})"
     )
     print(f"val loss: {summary['val_loss']:.3f} ({summary['val_loss'] / np.log(2):.2f} bits/byte)")
-    print(f"metrics: {os.path.join(trainer.log_dir, 'metrics.csv')}")
 
     prompt = b"def "
     sample = generate(model.net, prompt, args.sample_bytes, seed=args.seed)
     print("\n--- sample ---")
     print((prompt + sample).decode("utf-8", errors="replace"))
     print("--------------")
+
+    csv_path = os.path.join(trainer.log_dir, "metrics.csv")
+    print(f"\nmetrics: {csv_path}")
+    if trainer.is_global_zero:  # the CSV logger writes on process 0 only
+        for path in write_plots(csv_path):
+            print(f"plot:    {path}")
     return summary
 
 
