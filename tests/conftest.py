@@ -18,7 +18,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import jax
+import jax  # noqa: E402 - XLA_FLAGS must be set first
 
 jax.config.update("jax_platforms", "cpu")
 
