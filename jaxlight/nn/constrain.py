@@ -33,7 +33,10 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     Inside a trainer step this is ``jax.lax.with_sharding_constraint`` with
     the rules of the run's strategy (e.g. ``("batch", "length", "embed")``);
     outside one, or on a single device, it returns ``x`` unchanged, so model
-    code runs the same everywhere.
+    code runs the same everywhere. Inside a ``shard_map`` that makes some mesh
+    axes manual (a pipeline stage, a sequence-parallel attention block), the
+    constraint is built on that context's mesh and leaves the manual axes
+    out: ``x`` is already the local block along them.
     """
     active = getattr(_ctx, "value", None)
     if active is None:
@@ -42,4 +45,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.size == 1:
         return x
     spec = resolve_spec(tuple(names), tuple(x.shape), rules, dict(mesh.shape))
+    context = jax.sharding.get_abstract_mesh()
+    manual = (
+        set()
+        if context.empty
+        else {a for a, t in zip(context.axis_names, context.axis_types) if t == jax.sharding.AxisType.Manual}
+    )
+    if manual:
+        spec = tuple(_without(entry, manual) for entry in spec)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, P(*spec)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def _without(entry: str | tuple | None, axes: set[str]) -> str | tuple | None:
+    """A spec entry with the mesh axes ``axes`` removed."""
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
