@@ -13,6 +13,7 @@ from jaxlight.module import LightningModule
 from jaxlight.seed import seed_everything
 from jaxlight.step import StepError, TrainState
 from jaxlight.trainer import MisconfigurationError, Trainer
+from jaxlight.verify import verify
 
 __version__ = "0.1.0"
 
@@ -33,4 +34,5 @@ __all__ = [
     "optim",
     "seed_everything",
     "strategies",
+    "verify",
 ]

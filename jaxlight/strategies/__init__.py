@@ -1,7 +1,9 @@
 """Placement strategies: small immutable pieces (mesh axes, rules, batch splits, memory kinds, in-step
 wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`."""
 
+from jaxlight.strategies.auto import AutoStrategy, NoStrategyFits, choose_strategy
 from jaxlight.strategies.offload import HostOffload
+from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.strategies.placement import LayoutError
 from jaxlight.strategies.rules import (
     BATCH_AXES,
@@ -27,6 +29,9 @@ from jaxlight.strategies.strategy import (
 )
 
 __all__ = [
+    "AutoStrategy",
+    "NoStrategyFits",
+    "choose_strategy",
     "BATCH_AXES",
     "DEFAULT_RULES",
     "FILL",
@@ -40,6 +45,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "Piece",
+    "PipelineParallel",
     "Strategy",
     "TensorParallel",
     "normalize_rules",

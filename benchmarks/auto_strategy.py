@@ -1,0 +1,114 @@
+"""What ``strategy="auto"`` chooses for a model at several device-memory sizes (8 simulated CPU devices).
+
+Every candidate layout's train step is compiled once, ahead of time on abstract shapes (a budget below
+every need makes :func:`jaxlight.strategies.choose_strategy` compile all of them and report their
+needs); the table then applies auto's rule (least bytes moved among the layouts that fit) at each
+memory size, and one real ``choose_strategy`` call per size checks the rule gives the same answer.
+
+    python benchmarks/auto_strategy.py [--embed 1024 --mlp 4096 --layers 4 --vocab 8192 --batch 16 --seq 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+
+from jaxlight.strategies.auto import HEADROOM, NoStrategyFits, choose_strategy
+from jaxlight.summary import fmt_bytes
+from tests.strategy_models import LM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--embed", type=int, default=1024)
+    ap.add_argument("--mlp", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--check", action="store_true", help="also run choose_strategy at each size (recompiles)")
+    args = ap.parse_args()
+    dims = dict(embed=args.embed, mlp=args.mlp, heads=args.heads, layers=args.layers, vocab=args.vocab)
+    module = LM(**dims)
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
+    t0 = time.perf_counter()
+    try:
+        choose_strategy(module, module.configure_optimizers(), batch, jax.devices(), device_memory=1)
+        raise SystemExit("a 1-byte budget fitted a candidate")
+    except NoStrategyFits as e:
+        cands = e.candidates
+    secs = time.perf_counter() - t0
+    ok = [c for c in cands if c.error is None]
+    print(
+        f"LM {dims}, Adam, global batch {args.batch} x {args.seq}, 8 CPU devices, jax {jax.__version__}; "
+        f"{len(ok)} candidates compiled in {secs:.0f} s"
+    )
+    hdr = ("candidate", "mesh", "step (mem analysis)", "batches ahead", "device need", "host", "collectives", "moved")
+    rows = [hdr]
+    for c in cands:
+        if c.error is not None:
+            rows.append((c.name, "-", "n/a: " + c.error[:60], "", "", "", "", ""))
+            continue
+        rows.append(
+            (
+                c.name,
+                c.mesh_text,
+                fmt_bytes(c.step_bytes),
+                fmt_bytes(c.batch_bytes),
+                fmt_bytes(c.device_bytes),
+                fmt_bytes(c.host_bytes),
+                c.collectives.summary(short=True),
+                fmt_bytes(c.traffic),
+            )
+        )
+    _print(rows)
+    needs = sorted({c.device_bytes for c in ok})
+    sizes = [int(n / (1 - HEADROOM)) + 1 for n in needs] + [int(needs[0] / (1 - HEADROOM)) - 1]
+    print(f"\nauto's choice by device_memory ({HEADROOM:.0%} headroom; least bytes moved among those that fit):")
+    rows = [("device_memory", "budget", "chosen", "its need", "moves")]
+    for mem in sorted(sizes, reverse=True):
+        budget = int(mem * (1 - HEADROOM))
+        fit = [c for c in ok if c.device_bytes <= budget]
+        best = min(fit, key=lambda c: (c.traffic, c.device_bytes)) if fit else None
+        if args.check:
+            try:
+                real = choose_strategy(module, module.configure_optimizers(), batch, jax.devices(), device_memory=mem)
+                assert best is not None and real.chosen.name == best.name, (mem, real.chosen.name)
+            except NoStrategyFits:
+                assert best is None, mem
+        rows.append(
+            (
+                fmt_bytes(mem),
+                fmt_bytes(budget),
+                best.name if best else "raises NoStrategyFits",
+                fmt_bytes(best.device_bytes) if best else "-",
+                fmt_bytes(best.traffic) if best else "-",
+            )
+        )
+    _print(rows)
+    print(
+        "device need = memory_analysis() argument + output + temp - alias (host-memory state removed: XLA:CPU counts "
+        "it as an argument) + the prefetched batches; moved = collective result bytes in the HLO + 2 x host bytes"
+    )
+
+
+def _print(rows: list[tuple]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+if __name__ == "__main__":
+    main()
