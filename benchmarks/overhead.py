@@ -37,6 +37,20 @@ default, so the periodic metric fetch is part of what is measured.
 
     python benchmarks/overhead.py                 # 12 rounds x 6 steps
     python benchmarks/overhead.py --profile 20    # + cProfile of 20 trainer steps
+
+``--tiny`` measures the per-step *host overhead* instead: a tiny MLP whose
+compiled step takes about 0.1 ms, one CPU device, with the progress bar,
+checkpointing (``ModelCheckpoint`` at epoch end), preemption and the CSV logger
+at their defaults. Each round is one trainer epoch of ``--tiny-steps`` steps
+(timed from ``on_train_epoch_start`` to a drained device in
+``on_train_epoch_end``, so no per-step hook of the benchmark's own is added)
+against the hand loop over the same batches, alternating; the table reports
+the median ms/step of each and their difference in microseconds per step.
+With PyTorch Lightning installed it also runs the same MLP in torch, through
+``lightning.Trainer`` (same defaults) and a raw torch loop, alternating the
+same way, so both frameworks' overheads stand side by side.
+
+    python benchmarks/overhead.py --tiny          # 9 rounds x 400 steps
 """
 
 from __future__ import annotations
@@ -164,13 +178,233 @@ def profile(n: int, batches: list) -> None:
     stats.sort_stats("tottime").print_stats(15)
 
 
+# ---------------------------------------------------------------------------- --tiny: per-step host overhead
+TINY_IN, TINY_HIDDEN, TINY_OUT, TINY_BATCH = 32, 64, 10, 64
+
+
+def tiny_batches(n: int, seed: int = 0) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, TINY_BATCH, TINY_IN)).astype(np.float32)
+    y = rng.integers(0, TINY_OUT, size=(n, TINY_BATCH)).astype(np.int32)
+    return [(x[i], y[i]) for i in range(n)]
+
+
+class TinyMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.l1 = nnx.Linear(TINY_IN, TINY_HIDDEN, rngs=rngs)
+        self.l2 = nnx.Linear(TINY_HIDDEN, TINY_OUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def tiny_loss(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class TinyModule(jl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyMLP(nnx.Rngs(0))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = tiny_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return optax.adam(1e-3)
+
+
+class TinyHand:
+    """The tiny MLP's hand-written jit + optax loop (state donated, numpy batches)."""
+
+    def __init__(self) -> None:
+        gd, self.params, self.rest = nnx.split(TinyMLP(nnx.Rngs(0)), nnx.Param, ...)
+        tx = optax.adam(1e-3)
+        self.opt_state = tx.init(self.params)
+
+        def step(params, opt_state, rest, x, y):
+            loss, grads = jax.value_and_grad(lambda p: tiny_loss(nnx.merge(gd, p, rest)(x), y))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.step = jax.jit(step, donate_argnums=(0, 1))
+
+    def run(self, batches: list) -> float:
+        t0 = time.perf_counter()
+        loss = None
+        for x, y in batches:
+            self.params, self.opt_state, loss = self.step(self.params, self.opt_state, self.rest, x, y)
+        jax.block_until_ready((loss, self.params))
+        return (time.perf_counter() - t0) / len(batches) * 1e3
+
+
+class EpochAlternate:
+    """Mixin logic shared by the jaxlight and Lightning callbacks: time each epoch (after a warm-up epoch)
+    and run the baseline loop over the same batches before the next one."""
+
+    def __init__(self, baseline, batches, drain) -> None:
+        self.baseline, self.batches, self.drain = baseline, batches, drain
+        self.framework_ms: list[float] = []
+        self.baseline_ms: list[float] = []
+        self.t0 = 0.0
+        self.epoch = 0
+
+    def start(self) -> None:
+        if self.epoch >= 1:  # epoch 0 compiles / warms up
+            self.baseline_ms.append(self.baseline.run(self.batches))
+        self.t0 = time.perf_counter()
+
+    def end(self, state) -> None:
+        self.drain(state)
+        if self.epoch >= 1:
+            self.framework_ms.append((time.perf_counter() - self.t0) / len(self.batches) * 1e3)
+        self.epoch += 1
+
+
+def tiny_jaxlight(rounds: int, steps: int, root: str) -> tuple[list[float], list[float], jl.Trainer]:
+    batches = tiny_batches(steps)
+    hand = TinyHand()
+    hand.run(batches[:2])  # compile the baseline
+
+    class Cb(jl.Callback, EpochAlternate):
+        def __init__(self) -> None:
+            EpochAlternate.__init__(self, hand, batches, jax.block_until_ready)
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.start()
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.end(trainer.train_state)
+
+    cb = Cb()
+    # every default on: progress bar, ModelCheckpoint (one save per epoch), preemption, CSV logger
+    trainer = jl.Trainer(max_epochs=rounds + 1, devices=1, callbacks=[cb], default_root_dir=root)
+    trainer.fit(TinyModule(), train_dataloaders=batches)
+    return cb.framework_ms, cb.baseline_ms, trainer
+
+
+def tiny_lightning(rounds: int, steps: int, root: str) -> tuple[list[float], list[float]] | None:
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        try:
+            import pytorch_lightning as pl
+        except ImportError:
+            return None
+    import torch
+
+    torch.set_num_threads(1)
+    data = tiny_batches(steps)
+    tbatches = [(torch.from_numpy(x), torch.from_numpy(y).long()) for x, y in data]
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(TINY_IN, TINY_HIDDEN), torch.nn.ReLU(), torch.nn.Linear(TINY_HIDDEN, TINY_OUT)
+        )
+
+    class RawTorch:
+        def __init__(self) -> None:
+            self.net = mlp()
+            self.opt = torch.optim.Adam(self.net.parameters(), 1e-3)
+
+        def run(self, batches) -> float:
+            t0 = time.perf_counter()
+            for x, y in batches:
+                self.opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(self.net(x), y)
+                loss.backward()
+                self.opt.step()
+            return (time.perf_counter() - t0) / len(batches) * 1e3
+
+    raw = RawTorch()
+    raw.run(tbatches[:2])
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), 1e-3)
+
+    class Cb(pl.Callback, EpochAlternate):
+        def __init__(self) -> None:
+            EpochAlternate.__init__(self, raw, tbatches, lambda state: None)
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.start()
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.end(None)
+
+    class Batches:  # a plain iterable of ready batches (Lightning reads a list as several loaders)
+        def __iter__(self):
+            return iter(tbatches)
+
+        def __len__(self) -> int:
+            return len(tbatches)
+
+    cb = Cb()
+    trainer = pl.Trainer(max_epochs=rounds + 1, accelerator="cpu", devices=1, callbacks=[cb], default_root_dir=root)
+    trainer.fit(Lit(), train_dataloaders=Batches())
+    return cb.framework_ms, cb.baseline_ms
+
+
+def tiny(args) -> None:
+    import contextlib
+    import io
+    import tempfile
+
+    med = statistics.median
+    rows = []
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stderr(io.StringIO()):
+        fw, base, trainer = tiny_jaxlight(args.rounds, args.tiny_steps, root)
+        rows.append(("jaxlight.Trainer", "jax.jit + optax", fw, base))
+        if trainer.compile_counts["train"] != 1:
+            raise RuntimeError(f"the trainer compiled {trainer.compile_counts['train']} times; expected 1")
+        if not args.no_lightning:
+            lit = tiny_lightning(args.rounds, args.tiny_steps, root)
+            if lit is not None:
+                rows.append(("lightning.Trainer", "raw torch loop", *lit))
+    print(
+        f"jax {jax.__version__}, 1 {jax.devices()[0].platform} device; tiny MLP {TINY_IN}-{TINY_HIDDEN}-{TINY_OUT}, "
+        f"batch {TINY_BATCH}, Adam; defaults on (progress bar, checkpoint per epoch, preemption, CSV logger); "
+        f"{args.rounds} rounds x {args.tiny_steps} steps, alternating, medians"
+    )
+    print(f"{'framework':<20}{'ms/step':>9}  {'baseline':<18}{'ms/step':>9}  {'overhead us/step':>17}  {'ratio':>6}")
+    for name, bname, fw, base in rows:
+        f, b = med(fw), med(base)
+        over = med([x - y for x, y in zip(fw, base)]) * 1e3
+        print(f"{name:<20}{f:>9.4f}  {bname:<18}{b:>9.4f}  {over:>17.1f}  {f / b:>6.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="per-step host overhead on a tiny MLP (see the docstring)")
+    p.add_argument("--tiny-steps", type=int, default=400, help="steps per round in --tiny mode")
+    p.add_argument("--no-lightning", action="store_true", help="--tiny without the PyTorch Lightning rows")
     p.add_argument("--rounds", type=int, default=12, help="trainer/hand segment pairs")
     p.add_argument("--steps", type=int, default=6, help="steps per segment")
     p.add_argument("--warmup", type=int, default=3, help="untimed trainer steps (compile) before the first round")
     p.add_argument("--profile", type=int, default=0, help="also cProfile this many trainer steps")
     args = p.parse_args()
+    if args.tiny:
+        if args.rounds == 12:
+            args.rounds = 9
+        tiny(args)
+        return
 
     total = args.warmup + args.rounds * args.steps
     batches = make_batches(total, BATCH_SIZE, REFERENCE.seq_len, seed=0)
