@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import inspect
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,10 +26,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.errors import MisconfigurationError
+from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig
+from jaxlight.optim import configure as configure_optimizers_output
 from jaxlight.precision import Precision
-from jaxlight.state import ModelParts, merge_models, nnx_attributes, split_models
+from jaxlight.state import ModelParts, merge_models, nnx_attributes, path_str, split_models
 from jaxlight.step import StepBuilder, StepExtension, TrainState
 from jaxlight.strategies.placement import named, param_specs, rest_specs
 from jaxlight.strategies.strategy import Strategy
@@ -69,6 +73,9 @@ class Engine:
         self.compile_counts: collections.Counter = collections.Counter()
         self.batch_rows: dict[str, int] = {}  # global rows each stage's step was compiled for
         self.init_compiled: Any = None  # the compiled parameter creation (kept for inspection)
+        self._synced: Any = None  # the train state the module's attributes point at
+        self._slots: tuple[tuple[int, ...], list | None] | None = None  # the module's variables, by key
+        self.eval_steps: dict[tuple[str, Any], Any] = {}  # compiled evaluation steps by (key, batch signature)
 
     # -- context ----------------------------------------------------------------------
     def context(self) -> contextlib.ExitStack:
@@ -92,6 +99,9 @@ class Engine:
             self.state_shardings = None
             self.builder = None
             self.compiled = {}
+            self.eval_steps = {}
+            self._synced = None
+        self._slots = None
         self.module = module
 
     def setup_model(self) -> None:
@@ -122,6 +132,7 @@ class Engine:
                 rest = jax.device_put(rest, rsh)
         params = self.precision.store(params)
         self.parts = parts
+        self._slots = None
         self.param_shardings = psh
         self.rest_shardings = rsh
         self.write_back(params, rest)
@@ -172,13 +183,36 @@ class Engine:
         new values too; modules not created yet are built from the state.
         """
         assert self.parts is not None and self.module is not None
+        self._synced = None  # the module now holds these arrays, whatever the train state is
         module, parts = self.module, self.parts
         current = {k: module.__dict__.get(k) for k in parts.names}
         if all(isinstance(m, nnx.Module) for m in current.values()):
-            nnx.update(current, parts.params.from_flat(params), parts.rest.from_flat(rest))
+            slots = self._variable_slots(current)
+            if slots is None:
+                nnx.update(current, parts.params.from_flat(params), parts.rest.from_flat(rest))
+                return
+            # the per-step path (a user's per-batch hook): set each variable's array, no graph walk
+            for var, is_param, key in slots:
+                var.set_raw_value(params[key] if is_param else rest[key])
             return
         for k, m in merge_models(parts, params, rest, train=True).items():
             object.__setattr__(module, k, m)
+
+    def _variable_slots(self, current: Mapping[str, nnx.Module]) -> list[tuple[Any, bool, str]] | None:
+        """The module's NNX variables by flat key, found once per set of module objects (None when they
+        do not match the state's keys, e.g. a submodule was replaced: then ``nnx.update`` does the work)."""
+        assert self.parts is not None
+        ident = tuple(id(m) for m in current.values())
+        if self._slots is not None and self._slots[0] == ident:
+            return self._slots[1]
+        found: dict[str, Any] = {}
+        for path, node in nnx.iter_graph(dict(current)):
+            if isinstance(node, nnx.Variable):
+                found.setdefault(path_str(path), node)
+        keys = [(True, k) for k in self.parts.params.keys] + [(False, k) for k in self.parts.rest.keys]
+        slots = None if any(k not in found for _, k in keys) else [(found[k], p, k) for p, k in keys]
+        self._slots = (ident, slots)
+        return slots
 
     def read_module(self) -> tuple[dict, dict]:
         """Current params/rest from the module's NNX attributes (the user may have changed them)."""
@@ -190,9 +224,36 @@ class Engine:
         return params, rest
 
     def sync_module(self) -> None:
-        """Point the module's attributes at the current train state (host work only, no copy)."""
-        if self.train_state is not None:
-            self.write_back(self.train_state.params, self.train_state.rest)
+        """Point the module's attributes at the current train state (host work only, no copy).
+
+        Free when they already do (the same ``train_state`` object as at the last
+        sync), so the loop may call it before every hook that could read them.
+        """
+        state = self.train_state
+        if state is not None and state is not self._synced:
+            self.write_back(state.params, state.rest)
+            self._synced = state
+
+    def module_leaves(self) -> list[Any]:
+        """The arrays the module's NNX attributes hold now, in a fixed order (to notice a user's edit)."""
+        assert self.parts is not None and self.module is not None
+        models = {k: getattr(self.module, k, None) for k in self.parts.names}
+        if not all(isinstance(m, nnx.Module) for m in models.values()):
+            return []
+        return jax.tree.leaves(nnx.state(models))
+
+    def adopt_module_edits(self) -> None:
+        """Train from what the module's attributes hold now (a user loaded weights into them in a hook).
+
+        Parameters and other state are read back and placed in the train
+        state's shardings; optimizer and callback state are kept as they are.
+        """
+        if self.train_state is None:
+            return
+        params, rest = self.read_module()
+        params = self.precision.store(params)
+        self.train_state = self.train_state._replace(params=params, rest=rest)
+        self.sync_module()
 
     # -- training state -------------------------------------------------------------------------
     def _mirror_shardings(
@@ -221,10 +282,11 @@ class Engine:
         """Place the optimizer state, the callbacks' in-step state and the step counter; build the step."""
         module = self.module
         assert module is not None and self.parts is not None
-        self.optimizer = optimizer
-        tx = optimizer.tx
         params, rest = self.read_module()
         params = self.precision.store(params)
+        # configure_optimizers' answer resolved against the parameters: selectors, schedulers, manual mode
+        self.optimizer = optimizer = _as_config(optimizer).build(module, params)
+        tx = optimizer.tx
         exts: list[StepExtension] = []
         extra: dict[str, Any] = {}
         for cb in callbacks:
@@ -260,6 +322,8 @@ class Engine:
             with_grad_norm=any(cb.needs_grad_norm for cb in callbacks),
             skip_nonfinite=any(cb.skip_nonfinite_updates for cb in callbacks),
             wrap_update=lambda update: self.strategy.wrap_update(update, self.state_shardings),
+            manual=not optimizer.automatic,
+            handles=optimizer.handles,
         )
         step = jax.device_put(jnp.int32(global_step), NamedSharding(self.mesh, P()))
         self.train_state = TrainState(params, rest, opt_state, extra, step)
@@ -303,6 +367,9 @@ class Engine:
     ) -> tuple[Any, TrainState]:
         """Lower and compile ``module``'s train step on abstract shapes, allocating no state.
 
+        ``tx``: what ``configure_optimizers`` returns (any of its forms) or an
+        :class:`~jaxlight.optim.OptimizerConfig`.
+
         ``batch`` is a pytree of ``jax.ShapeDtypeStruct`` (global shapes,
         shardings optional: rows over the batch axes by default). Returns the
         compiled step (for ``memory_analysis()`` and its HLO) and the abstract
@@ -315,7 +382,8 @@ class Engine:
             parts, aparams, arest = self._abstract_model(module)
             psh, rsh = self._var_shardings(parts, aparams, arest)
             aparams = self.precision.store(aparams)
-            opt_shapes = jax.eval_shape(tx.init, aparams)
+            optimizer = _as_config(tx).build(module, aparams)
+            opt_shapes = jax.eval_shape(optimizer.tx.init, aparams)
             osh = self._mirror_shardings(opt_shapes, aparams, "opt_state", psh)
             rep = NamedSharding(self.mesh, P())
             shardings = TrainState(psh, rsh, osh, {}, rep)
@@ -342,8 +410,10 @@ class Engine:
                 module,
                 parts,
                 self.precision,
-                tx,
+                optimizer.tx,
                 wrap_update=lambda update: self.strategy.wrap_update(update, shardings),
+                manual=not optimizer.automatic,
+                handles=optimizer.handles,
             )
             idx = jax.ShapeDtypeStruct((), jnp.int32) if batch_idx is None else batch_idx
             flush = jax.ShapeDtypeStruct((), jnp.bool_)
@@ -352,6 +422,58 @@ class Engine:
         return compiled, state
 
     # -- compile ------------------------------------------------------------------------------
+    def compile_eval(
+        self,
+        stage: str,
+        key: str,
+        params: Any,
+        rest: Any,
+        batch: Any,
+        batch_idx: Any,
+        valid: Any,
+        *,
+        shares: int = 1,
+        dataloader_idx: int | None = None,
+    ) -> Any:
+        """Lower and compile an evaluation step ``(params, rest, batch, batch_idx, valid) -> (out, logs)``.
+
+        ``valid`` (int32) is the number of real rows per share of a padded
+        batch (the full share for an unpadded one): the step is traced inside a
+        :class:`~jaxlight.metrics.StepContext`, so ``self.log`` weighs values
+        by real rows and :func:`jaxlight.data.batch_mask` marks them.
+        ``dataloader_idx`` (several loaders) is passed to the step method as its
+        third argument when it takes one, and suffixes logged names. Stored
+        under ``compiled[key]``; counted in ``compile_counts[stage]``.
+        """
+        b = self.builder
+        assert b is not None
+        shapes = {
+            jax.tree_util.keystr(p, simple=True, separator="/") or "<root>": tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+        }
+        self.strategy.check_batch(shapes, dict(self.mesh.shape))
+        if jax.process_count() > 1:
+            _assert_same_batch_across_processes(stage, batch)
+        rows = int(jax.tree.leaves(batch)[0].shape[0])
+        method = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}[stage]
+
+        def eval_step(params, rest, batch, batch_idx, valid):
+            ctx = StepContext(valid=valid, shares=shares, rows=rows, dataloader_idx=dataloader_idx)
+            with step_context(ctx), _with_dataloader_idx(b.module, method, dataloader_idx):
+                return b.eval_step(stage, params, rest, batch, batch_idx)
+
+        eval_step.__name__ = f"{stage}_step"
+        with self.context():
+            compiled = jax.jit(eval_step).lower(params, rest, batch, batch_idx, valid).compile()
+        self.compile_counts[stage] += 1
+        self.compiled[key] = compiled
+        self.eval_steps[(key, _signature(batch))] = compiled
+        return compiled
+
+    def eval_step_for(self, key: str, batch: Any) -> Any:
+        """The evaluation step compiled under ``key`` for this batch's shapes and dtypes, or None."""
+        return self.eval_steps.get((key, _signature(batch)))
+
     def compile(self, stage: str, *args: Any) -> Any:
         """Lower and compile one stage's step for the given example arguments (once per stage)."""
         b = self.builder
@@ -378,6 +500,56 @@ class Engine:
         self.compile_counts[stage] += 1
         self.compiled[stage] = compiled
         return compiled
+
+
+def _signature(batch: Any) -> tuple:
+    """A batch's structure, shapes and dtypes: what a compiled step is specialised to."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+def takes_dataloader_idx(fn: Any) -> bool:
+    """Whether a step or hook accepts a third argument (Lightning's ``dataloader_idx``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
+
+
+@contextlib.contextmanager
+def _with_dataloader_idx(module: Any, method: str, dataloader_idx: int | None):
+    """While tracing, make ``module.<method>(batch, batch_idx)`` pass ``dataloader_idx`` as a third argument
+    (a static Python int: one compiled step per loader) when the method takes one."""
+    bound = getattr(module, method)
+    if dataloader_idx is None or not takes_dataloader_idx(bound):
+        yield
+        return
+    had = method in vars(module)
+    saved = vars(module).get(method)
+    try:
+        named = "dataloader_idx" in inspect.signature(bound).parameters
+    except (TypeError, ValueError):
+        named = False
+    if named:
+        call = functools.partial(bound, dataloader_idx=dataloader_idx)
+    else:  # Lightning passes it as the third positional argument, whatever its name
+        call = lambda batch, batch_idx: bound(batch, batch_idx, dataloader_idx)
+    object.__setattr__(module, method, call)
+    try:
+        yield
+    finally:
+        if had:
+            object.__setattr__(module, method, saved)
+        else:
+            object.__delattr__(module, method)
+
+
+def _as_config(optimizer: Any) -> OptimizerConfig:
+    """An :class:`OptimizerConfig` from a parsed config or any ``configure_optimizers`` return form."""
+    return optimizer if isinstance(optimizer, OptimizerConfig) else configure_optimizers_output(optimizer)
 
 
 def _assert_same_batch_across_processes(stage: str, batch: Any) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxlight.hparams import AttributeDict, collect_init_args, select
@@ -22,6 +24,39 @@ from jaxlight.state import nnx_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
+
+
+def _has_tracer(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def _print_at_run_time(args: tuple, kwargs: dict) -> None:
+    """``print(*args, **kwargs)`` from inside a traced step, with the arrays' run-time values (process 0)."""
+    opts = {k: kwargs.pop(k) for k in ("sep", "end", "file", "flush") if k in kwargs}
+    if kwargs:
+        raise TypeError(f"self.print got unexpected keyword argument(s) {sorted(kwargs)}")
+    leaves, tree = jax.tree.flatten(args)
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray))]
+
+    def emit(*values: Any) -> None:
+        if jax.process_index() != 0:
+            return
+        full = list(leaves)
+        for i, v in zip(dynamic, values):
+            full[i] = v
+        print(
+            *jax.tree.unflatten(tree, full),
+            sep=opts.get("sep", " "),
+            end=opts.get("end", "\n"),
+            file=opts.get("file") or sys.stdout,
+            flush=opts.get("flush", False),
+        )
+
+    values = [leaves[i] for i in dynamic]
+    if not jax.sharding.get_abstract_mesh().empty:
+        # gathered by an explicit constraint: XLA warns when a callback's operand is sharded
+        values = [jax.lax.with_sharding_constraint(v, jax.sharding.PartitionSpec()) for v in values]
+    jax.debug.callback(emit, *values)
 
 
 class ModelHooks:
@@ -81,7 +116,10 @@ class LightningModule(ModelHooks, DataHooks):
     (``training_step``, ``validation_step``, ``test_step``,
     ``predict_step``) are traced once each into compiled programs: they must
     be jax-traceable, and ``batch_idx`` arrives as a traced int32 scalar.
-    ``self.log`` follows Lightning's defaults and reductions.
+    ``self.log`` follows Lightning's defaults and reductions. With
+    ``self.automatic_optimization = False`` the training step applies its own
+    updates (``self.manual_backward``, ``opt.step(grads)``; see
+    docs/optimizers.md), still inside one compiled program.
 
     As a torch module does, it is callable (``model(x)`` runs ``forward``),
     has ``train()`` / ``eval()`` (switching every NNX attribute between
@@ -97,6 +135,7 @@ class LightningModule(ModelHooks, DataHooks):
         self._collector: Collector | None = None
         self._training: bool = True
         self._frozen: bool = False
+        self._automatic_optimization: bool = True
 
     # -- hyperparameters -------------------------------------------------
     def save_hyperparameters(
@@ -151,9 +190,19 @@ class LightningModule(ModelHooks, DataHooks):
         return self._trainer.mesh if self._trainer is not None else None
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on process 0 only."""
-        if jax.process_index() == 0:
-            print(*args, **kwargs)
+        """``print`` on process 0 only; inside a compiled step, each time the step runs, with the values.
+
+        In a step method the arrays are tracers while the step is traced, so a
+        plain ``print`` shows ``Traced<...>`` once; ``self.print`` instead
+        prints the arrays' values every time the compiled step runs (through
+        ``jax.debug.callback``), with ``print``'s ``sep``/``end``/``file``/
+        ``flush``. Other arguments (strings, numbers) print as given.
+        """
+        if self._collector is None or not _has_tracer((args, kwargs)):
+            if jax.process_index() == 0:
+                print(*args, **kwargs)
+            return
+        _print_at_run_time(args, kwargs)
 
     # -- torch.nn.Module behaviour ---------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -229,15 +278,135 @@ class LightningModule(ModelHooks, DataHooks):
         self._frozen = False
         self.train()
 
+    # -- optimization (Lightning's API; see docs/optimizers.md) ---------------------
+    @property
+    def automatic_optimization(self) -> bool:
+        """True (default): the trainer differentiates ``training_step``'s loss and applies the optimizer.
+        Set it to False in ``__init__`` for manual optimization: ``training_step`` takes gradients with
+        :meth:`manual_backward` and applies them with ``opt.step(grads)`` for ``opt`` in
+        :meth:`optimizers` (several optimizers, alternating updates), all inside one compiled step."""
+        return getattr(self, "_automatic_optimization", True)
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._automatic_optimization = bool(value)
+
+    def _optimizer_config(self) -> Any:
+        engine = getattr(self._trainer, "engine", None) if self._trainer is not None else None
+        cfg = getattr(engine, "optimizer", None)
+        if cfg is None or not cfg.built:
+            raise RuntimeError(
+                f"{type(self).__name__}.optimizers() is available once fit has set up the optimizers "
+                f"(from on_fit_start on, and in training_step)"
+            )
+        return cfg
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizers ``configure_optimizers`` returned, as in Lightning: one, or a list of several.
+
+        With manual optimization these are :class:`~jaxlight.step.ManualOptimizer` handles
+        (``opt.step(grads)``, ``opt.param_paths``, ``opt.optimizer`` is the optax transformation);
+        with automatic optimization the optax transformations themselves.
+        """
+        from jaxlight.step import current_manual_context
+
+        ctx = current_manual_context()
+        if ctx is not None:
+            opts = list(ctx.handles)
+        else:
+            cfg = self._optimizer_config()
+            opts = list(cfg.handles) if not cfg.automatic else [o.tx for o in cfg.optimizers]
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The schedulers ``configure_optimizers`` returned (None, one, or a list), as in Lightning.
+
+        optax schedules need no ``.step()``: they are functions of the optimizer's step count, applied
+        inside the update; plateau and epoch-interval schedulers are stepped by the trainer.
+        """
+        scheds = self._optimizer_config().schedules
+        if not scheds:
+            return None
+        return scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(
+        self, loss_fn: Callable[..., Any], *args: Any, optimizer: Any = None, has_aux: bool = False, **kwargs: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """``loss, grads = self.manual_backward(loss_fn, *args)``: the loss and its gradients, in training_step.
+
+        JAX differentiates functions, not arrays, so this takes the function
+        computing the loss (it reads the models as usual, ``self.disc(x)``;
+        ``self.log`` inside works). Gradients are a dict keyed by parameter
+        path, for ``optimizer``'s parameters, else the toggled optimizer's
+        (:meth:`toggle_optimizer`), else every parameter. ``has_aux``: ``loss_fn``
+        returns ``(loss, aux)`` and this returns ``((loss, aux), grads)``, as
+        ``jax.value_and_grad``. Forward passes update the models' other state
+        (batch statistics, RNG counters) as they do in training_step.
+        """
+        from jaxlight.step import _require_manual
+
+        ctx = _require_manual("self.manual_backward(loss_fn)")
+        if not callable(loss_fn) or hasattr(loss_fn, "shape"):
+            raise TypeError(
+                "manual_backward takes the function that computes the loss, not the loss: JAX differentiates "
+                "functions. Write `loss, grads = self.manual_backward(lambda: loss_of(batch))` (or pass arguments "
+                "after the function), then `opt.step(grads)`"
+            )
+        return ctx.value_and_grad(loss_fn, args, kwargs, optimizer, has_aux)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Make :meth:`manual_backward` differentiate only ``optimizer``'s parameters (Lightning's toggle)."""
+        from jaxlight.step import _require_manual
+
+        _require_manual("self.toggle_optimizer(opt)").toggled = optimizer
+
+    def untoggle_optimizer(self, optimizer: Any = None) -> None:
+        """Undo :meth:`toggle_optimizer`: :meth:`manual_backward` differentiates every parameter again."""
+        from jaxlight.step import _require_manual
+
+        _require_manual("self.untoggle_optimizer(opt)").toggled = None
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``with self.toggled_optimizer(opt):`` toggles ``opt`` for the block."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        grads: Mapping[str, Any],
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> dict[str, Any]:
+        """``grads`` clipped as ``Trainer(gradient_clip_val=...)`` would clip them (Lightning's
+        ``clip_gradients`` for manual optimization); returns the clipped dict (gradients are values).
+        ``"norm"`` (default) is ``optax.clip_by_global_norm``, ``"value"`` is ``optax.clip``."""
+        import optax
+
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r}; choose 'norm' or 'value'")
+        if not gradient_clip_val:
+            return dict(grads)
+        clip = optax.clip_by_global_norm(gradient_clip_val) if algorithm == "norm" else optax.clip(gradient_clip_val)
+        return dict(clip.update(dict(grads), clip.init(dict(grads)))[0])
+
     # -- user-facing definitions -----------------------------------------------
     def configure_model(self) -> None:
         """Create the flax NNX modules. Called by the trainer under its mesh and
         logical rules, so annotated parameters are created sharded."""
 
     def configure_optimizers(self) -> Any:
+        """The optimizer(s), as in Lightning: an optax transformation, ``{"optimizer": tx, "lr_scheduler":
+        ...}``, ``([tx], [schedule])``, a list (several optimizers, parameter subsets) or
+        ``jl.optim.param_groups(...)``; see docs/optimizers.md."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement configure_optimizers() returning an optax "
-            f"GradientTransformation or {{'optimizer': tx, 'lr_scheduler': schedule}}"
+            f"GradientTransformation or {{'optimizer': tx, 'lr_scheduler': schedule}} (docs/optimizers.md)"
         )
 
     def configure_callbacks(self) -> Sequence[Any] | Any:
@@ -299,6 +468,7 @@ class LightningModule(ModelHooks, DataHooks):
             on_epoch=on_epoch,
             reduce_fx=reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", str(reduce_fx)),
             batch_size=batch_size,
+            add_dataloader_idx=add_dataloader_idx,
         )
 
     def log_dict(
@@ -327,6 +497,7 @@ class LightningModule(ModelHooks, DataHooks):
                 on_epoch=on_epoch,
                 reduce_fx=reduce_fx,
                 batch_size=batch_size,
+                add_dataloader_idx=add_dataloader_idx,
             )
 
     # -- tracing support (used by jaxlight.step) ---------------------------------
@@ -335,20 +506,19 @@ class LightningModule(ModelHooks, DataHooks):
         """Temporarily point the NNX attributes at ``models`` (traced copies)."""
         saved = {k: self.__dict__.get(k) for k in models}
         saved_col = self._collector
-        # The precision policy prepares the traced copies (e.g. BatchNorm keeping bf16 activations).
-        # Idempotent, so it stays correct once the step builder calls it itself.
-        precision = getattr(self._trainer, "precision_plugin", None)
-        if precision is not None and hasattr(precision, "bind"):
-            precision.bind(models)
         try:
-            for k, m in models.items():
-                object.__setattr__(self, k, m)
+            self._point_at(models)
             self._collector = collector
             yield
         finally:
             for k, m in saved.items():
                 object.__setattr__(self, k, m)
             self._collector = saved_col
+
+    def _point_at(self, models: Mapping[str, nnx.Module]) -> None:
+        """Point the NNX attributes at ``models`` (inside :meth:`_bound`, which restores them)."""
+        for k, m in models.items():
+            object.__setattr__(self, k, m)
 
     # -- checkpoints (wired by the checkpoint callback) ---------------------------
     @classmethod

@@ -1,139 +1,178 @@
-"""LearningRateMonitor: log the learning rate the optax schedule gives at each step."""
+"""LearningRateMonitor: log each optimizer's learning rate under Lightning's names (``lr-AdamW``, ``lr-SGD/pg1``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import collections
+from typing import Any, NamedTuple
 
-import numpy as np
+import jax
+import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
-
-# optax state classes -> the optimizer name Lightning would print ("lr-Adam")
-_STATE_NAMES = {
-    "ScaleByAdamState": "Adam",
-    "ScaleByAdaDeltaState": "Adadelta",
-    "ScaleByRmsState": "RMSprop",
-    "ScaleByRStdDevState": "RMSprop",
-    "ScaleByLionState": "Lion",
-    "ScaleByAdafactorState": "Adafactor",
-    "FactoredState": "Adafactor",
-    "ScaleByAmsgradState": "AMSGrad",
-    "ScaleByBeliefState": "AdaBelief",
-    "ScaleByNovogradState": "Novograd",
-    "ScaleByLBFGSState": "LBFGS",
-    "TraceState": "SGD",
-    "ScaleBySM3State": "SM3",
-    "ScaleByYogiState": "Yogi",
-    "ScaleByMuonState": "Muon",
-}
+from jaxlight.errors import MisconfigurationError
 
 
-def _walk(state: Any):
-    yield state
-    if isinstance(state, Mapping):
-        for v in state.values():
-            yield from _walk(v)
-    elif isinstance(state, (tuple, list)):
-        for v in state:
-            yield from _walk(v)
+class _Entry(NamedTuple):
+    """One named learning-rate source: an optimizer (through one of its schedulers, or alone)."""
+
+    optimizer: int  # index into trainer.engine.optimizer.optimizers
+    interval: str | None  # the scheduler's interval; None: an optimizer without scheduler (logged at both)
+    names: list[str]  # one per optimized parameter group
 
 
-def optimizer_name(opt_state: Any) -> str:
-    """A readable name for an optax optimizer from its state ("Adam", "SGD", ...), "SGD" when stateless."""
-    for node in _walk(opt_state):
-        name = _STATE_NAMES.get(type(node).__name__)
-        if name is not None:
-            return name
-    return "SGD"
+def _suffix(name: str, groups: list[Any], j: int) -> str:
+    """Lightning's param-group suffix: ``/pg2`` or ``/<name>`` with several groups, ``/<name>`` for a
+    single group the user named, nothing for a single unnamed one."""
+    g = groups[j]
+    if len(groups) > 1:
+        return f"{name}/{g.label if g.label is not None else f'pg{j + 1}'}"
+    return f"{name}/{g.label}" if g.explicit and g.label is not None else name
 
 
-def _injected_lrs(opt_state: Any) -> list[Any]:
-    """``learning_rate`` values held by ``optax.inject_hyperparams`` states (device arrays)."""
-    found = []
-    for node in _walk(opt_state):
-        hp = getattr(node, "hyperparams", None)
-        if isinstance(hp, Mapping) and "learning_rate" in hp:
-            found.append(hp["learning_rate"])
-    return found
+def _plan(config: Any, infos: list[Any]) -> list[_Entry]:
+    """Lightning's naming: scheduler configs first (their ``name``, else ``lr-<Optimizer>``), then
+    optimizers without one; a second optimizer of the same type gets ``-1``, a third ``-2``."""
+    seen: collections.defaultdict[str, int] = collections.defaultdict(int)
+    entries: list[_Entry] = []
+    with_scheduler: set[int] = set()
+
+    def names(base: str, kind: str, i: int) -> list[str]:
+        if kind in seen and seen[kind] > 1:
+            base = f"{base}-{seen[kind] - 1}"
+        groups = infos[i].optimized_groups
+        return [_suffix(base, groups, j) for j in range(len(groups))]
+
+    for c in config.schedulers:
+        i = c.optimizer_index
+        kind = _kind(infos[i])
+        with_scheduler.add(i)
+        if c.name is None:
+            seen[kind] += 1
+        entries.append(_Entry(i, c.interval, names(c.name if c.name is not None else f"lr-{kind}", kind, i)))
+    for i, info in enumerate(infos):
+        if i in with_scheduler:
+            continue
+        kind = _kind(info)
+        seen[kind] += 1
+        entries.append(_Entry(i, None, names(f"lr-{kind}", kind, i)))
+    return entries
+
+
+def _kind(info: Any) -> str:
+    groups = info.optimized_groups
+    return groups[0].name if groups else "SGD"
 
 
 class LearningRateMonitor(Callback):
-    """Logs the learning rate as ``lr-<Optimizer>`` (e.g. ``lr-Adam``), like Lightning.
+    """Logs the learning rate of every optimizer (and parameter group) as Lightning does.
 
-    Supported sources, in order: the optax schedule returned by
-    ``configure_optimizers`` as ``{"optimizer": tx, "lr_scheduler": schedule}``
-    (the value logged for optimizer step ``n`` is ``schedule(n)``, the rate that
-    update uses; with gradient accumulation ``n`` counts optimizer updates, as
-    optax's ``MultiSteps`` does), then a ``learning_rate`` injected with
-    ``optax.inject_hyperparams`` (read from the optimizer state: the rate of the
-    latest update). A plain float learning rate baked into an optax
-    transformation cannot be read; that raises at train start with what to
-    change. ``logging_interval``: ``"step"`` logs at the trainer's
-    ``log_every_n_steps`` cadence, ``"epoch"`` at each epoch start, ``None``
-    (default) at the step cadence, since optax schedules are per step. Values
-    go straight to the loggers with the step the trainer's metrics use, and are
-    kept in ``self.lrs``. Nothing here syncs with the device per step.
+    Names: ``lr-<Optimizer>`` with torch's class name for the optax optimizer
+    (``lr-SGD``, ``lr-Adam``, ``lr-AdamW``, read from the transformation,
+    also inside ``optax.chain``, ``inject_hyperparams``, ``multi_transform``
+    and ``MultiSteps``); a scheduler's ``name`` when it has one; ``-1``,
+    ``-2`` for further optimizers of the same type; ``/pg1``, ``/pg2`` (or
+    the group's name) for parameter groups. The value is the rate the next
+    update uses: the schedule at the optimizer's step count, times any
+    ``reduce_on_plateau`` scale, as torch's ``param_group["lr"]``.
+
+    When: ``logging_interval=None`` logs step-interval schedulers at the
+    trainer's ``log_every_n_steps`` cadence (at the start of the batch),
+    epoch-interval ones (plateau schedulers by default) at each epoch start,
+    and optimizers without a scheduler at both; ``"step"``/``"epoch"`` log
+    everything at that cadence only. Values go to the loggers at the step the
+    trainer's metrics use, are kept in ``self.lrs``, and are put in
+    ``trainer.callback_metrics`` (so ``ModelCheckpoint(monitor="lr-SGD")`` and
+    ``"{lr-SGD}"`` in file names work). ``log_momentum`` adds
+    ``<name>-momentum`` (Adam's ``b1``, SGD's momentum, else 0) and
+    ``log_weight_decay`` ``<name>-weight_decay`` (decoupled weight decay,
+    else 0). Reading the values syncs with the device only when logging.
     """
 
     def __init__(
         self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
     ) -> None:
         if logging_interval not in (None, "step", "epoch"):
-            raise ValueError(f"logging_interval={logging_interval!r}; choose None, 'step' or 'epoch'")
-        if log_momentum or log_weight_decay:
-            raise ValueError(
-                "LearningRateMonitor: log_momentum/log_weight_decay are not supported for optax "
-                "optimizers (their values are not exposed); log them with self.log instead"
+            raise MisconfigurationError(
+                f"logging_interval should be `step` or `epoch` or `None`, got {logging_interval!r}"
             )
         self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+        self.log_weight_decay = log_weight_decay
         self.lrs: dict[str, list[float]] = {}
-        self._names: list[str] = []
+        self.last_momentum_values: dict[str, float | None] = {}
+        self.last_weight_decay_values: dict[str, float | None] = {}
+        self._entries: list[_Entry] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.loggers and not trainer.fast_dev_run:
-            raise RuntimeError("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.")
-        n_sched = len(trainer.lr_scheduler_configs)
-        n_inj = len(_injected_lrs(trainer.train_state.opt_state)) if trainer.train_state is not None else 0
-        if n_sched == 0 and n_inj == 0:
-            raise RuntimeError(
-                "LearningRateMonitor cannot read the learning rate: configure_optimizers returned an optax "
-                "transformation with a fixed learning rate. Return {'optimizer': tx, 'lr_scheduler': schedule} "
-                "(an optax schedule, e.g. optax.constant_schedule(1e-3)) or build the optimizer with "
-                "optax.inject_hyperparams(optax.adam)(learning_rate=...)"
-            )
-        base = "lr-" + optimizer_name(trainer.train_state.opt_state)
-        n = max(n_sched, n_inj)
-        self._names = [base] if n == 1 else [f"{base}/pg{i + 1}" for i in range(n)]
-        self.lrs = {k: [] for k in self._names}
+            raise MisconfigurationError("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.")
+        config = trainer.engine.optimizer
+        infos = config.inspect(trainer.train_state.opt_state)
+        for i, info in enumerate(infos):
+            for g in info.optimized_groups:
+                if not g.lr_sources:
+                    where = f"optimizer {i}" + (f", group {g.label!r}" if g.label is not None else "")
+                    raise MisconfigurationError(
+                        f"LearningRateMonitor cannot find a learning rate in {where} ({g.name}): its transformation "
+                        f"has no learning-rate scale (optax.scale, scale_by_learning_rate or a schedule); build it "
+                        f"with an optax optimizer (optax.adamw(lr), ...) or add optax.scale_by_learning_rate(lr)"
+                    )
+        self._entries = _plan(config, infos)
+        names = [n for e in self._entries for n in e.names]
+        self.lrs = {n: [] for n in names}
+        self.last_momentum_values = {f"{n}-momentum": None for n in names}
+        self.last_weight_decay_values = {f"{n}-weight_decay": None for n in names}
 
     def _should_log_step(self, trainer: Any) -> bool:
         # the trainer logs metrics of update g (0-based) when (g + 1) % log_every_n_steps == 0
-        return (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+        return (trainer.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.logging_interval == "epoch" or not self._should_log_step(trainer):
             return
-        if trainer.position.window:  # inside an accumulation window: no new rate yet
-            return  # mid-accumulation: logged once per optimizer update, at its first micro-batch
-        self._log(trainer)
+        if trainer.position.window:  # mid-accumulation: logged once per optimizer update, at its first micro-batch
+            return
+        self._log(trainer, "step" if self.logging_interval is None else "any")
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.logging_interval == "epoch":
-            self._log(trainer)
+        if self.logging_interval != "step":
+            self._log(trainer, "epoch" if self.logging_interval is None else "any")
 
-    def _extract(self, trainer: Any) -> dict[str, float]:
-        if trainer.lr_scheduler_configs:
-            vals = [float(np.asarray(s(trainer.global_step))) for s in trainer.lr_scheduler_configs]
-        else:
-            vals = [float(np.asarray(v)) for v in _injected_lrs(trainer.train_state.opt_state)]
-        return dict(zip(self._names, vals))
+    def _extract(self, trainer: Any, interval: str) -> dict[str, float]:
+        entries = [e for e in self._entries if interval == "any" or e.interval in (None, interval)]
+        if not entries:
+            return {}
+        config = trainer.engine.optimizer
+        state = trainer.train_state.opt_state
+        infos: dict[int, Any] = {}
+        for e in entries:
+            if e.optimizer not in infos:
+                o = config.optimizers[e.optimizer]
+                infos[e.optimizer] = config.inspect_one(o, state)
+        values: dict[str, Any] = {}
+        for e in entries:
+            for name, g in zip(e.names, infos[e.optimizer].optimized_groups):
+                values[name] = g.lr()
+                if self.log_momentum:
+                    m = g.momentum()
+                    values[f"{name}-momentum"] = m if m is not None else jnp.float32(0.0)
+                if self.log_weight_decay:
+                    w = g.weight_decay()
+                    values[f"{name}-weight_decay"] = w if w is not None else jnp.float32(0.0)
+        host = {k: float(v) for k, v in jax.device_get(values).items()}  # one fetch for every value
+        for k, v in host.items():
+            if k in self.lrs:
+                self.lrs[k].append(v)
+            elif k in self.last_momentum_values:
+                self.last_momentum_values[k] = v
+            elif k in self.last_weight_decay_values:
+                self.last_weight_decay_values[k] = v
+        trainer.callback_metrics.update({k: jnp.float32(v) for k, v in host.items()})
+        return host
 
-    def _log(self, trainer: Any) -> None:
-        stats = self._extract(trainer)
-        for k, v in stats.items():
-            self.lrs.setdefault(k, []).append(v)
-        if trainer.is_global_zero and trainer.loggers:
+    def _log(self, trainer: Any, interval: str) -> None:
+        stats = self._extract(trainer, interval)
+        if stats and trainer.is_global_zero and trainer.loggers:
             from jaxlight.loggers.logger import LoggerCollection
 
             LoggerCollection(trainer.loggers).log_metrics(stats, step=trainer.global_step)

@@ -1,0 +1,160 @@
+"""LRSchedulerStepper: the schedulers Lightning steps outside the optimizer update.
+
+Added by the trainer when ``configure_optimizers`` returns a plateau
+scheduler (``optax.contrib.reduce_on_plateau`` with a ``monitor``) or a
+schedule with ``"interval": "epoch"``. Their state lives in the optimizer
+state (checkpointed with it); this callback changes only those few scalars,
+with small jitted functions whose outputs keep the train state's shardings,
+so the compiled train step never takes a metric argument and is never
+recompiled.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxlight.callbacks.callback import Callback
+from jaxlight.errors import MisconfigurationError
+from jaxlight.optim import SchedulerConfig, is_injected_state, is_plateau_state, step_plateau
+
+
+class _Target(NamedTuple):
+    config: SchedulerConfig
+    is_leaf: Callable[[Any], bool]  # flattening TrainState.opt_state with this makes the targets leaves
+    positions: list[int]  # the targets' positions among those leaves
+    fn: Any  # jitted (nodes, value) -> nodes
+
+
+def _flat(tree: Any, is_leaf: Callable[[Any], bool]) -> tuple[list[Any], Any]:
+    return jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+
+
+class LRSchedulerStepper(Callback):
+    """Steps plateau schedulers with their monitored metric and sets epoch-interval learning rates.
+
+    Lightning's timing: a plateau scheduler with ``interval="epoch"`` is
+    stepped at the end of every ``frequency``-th epoch, after
+    ``on_train_epoch_end`` of the module (and after validation), with
+    ``trainer.callback_metrics[monitor]``; with ``interval="step"`` after
+    every ``frequency``-th batch, once that batch's validation (if any) has
+    run. A schedule with ``interval="epoch"`` sets the injected learning rate
+    to ``schedule(epoch // frequency)`` at each epoch start. A missing
+    monitored metric raises, listing the available ones (``strict=False``:
+    warns and skips). The trainer puts this callback first, so
+    ``LearningRateMonitor`` sees the new rates.
+    """
+
+    is_monitoring_callback = True  # on_train_epoch_end after the module's: metrics it logs there count
+
+    def __init__(self) -> None:
+        self._targets: list[_Target] = []
+        self._pending: list[_Target] = []
+
+    # -- plan -----------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        config = trainer.engine.optimizer
+        state = trainer.train_state.opt_state
+        shardings = trainer.engine.state_shardings.opt_state
+        infos = config.inspect(state)
+        self._targets, self._pending = [], []
+        for c in config.schedulers:
+            info = infos[c.optimizer_index]
+            if c.reduce_on_plateau:
+                nodes = [n for fn, n in info.plateaus if fn is c.plateau_update]
+                is_leaf = is_plateau_state
+                fns = [c.plateau_update] * len(nodes)
+
+                def step(nodes: list, value: Any, fns: list = fns) -> list:
+                    return [step_plateau(fn, n, value) for fn, n in zip(fns, nodes)]
+
+            elif c.interval == "epoch":
+                nodes = [n for marker, n in info.driven if marker[2] is c.scheduler]
+                is_leaf = is_injected_state
+
+                def step(nodes: list, epoch: Any, c: SchedulerConfig = c) -> list:
+                    return [_with_lr(n, c.scheduler(epoch // c.frequency)) for n in nodes]
+
+            else:
+                continue
+            if not nodes:  # pragma: no cover - build() guarantees them
+                raise RuntimeError(f"jaxlight: no optimizer state found for scheduler {c}")
+            leaves, _ = _flat(state, is_leaf)
+            where = {id(x): i for i, x in enumerate(leaves)}
+            positions = [where[id(n)] for n in nodes]
+            sh_leaves, _ = _flat(shardings, is_leaf)
+            out = [sh_leaves[p] for p in positions]
+            self._targets.append(_Target(c, is_leaf, positions, jax.jit(step, out_shardings=out)))
+        self._set_epoch_rates(trainer)
+
+    def _apply(self, trainer: Any, target: _Target, value: Any) -> None:
+        st = trainer.train_state
+        leaves, treedef = _flat(st.opt_state, target.is_leaf)
+        new = target.fn([leaves[p] for p in target.positions], value)
+        for p, n in zip(target.positions, new):
+            leaves[p] = n
+        trainer.train_state = st._replace(opt_state=jax.tree_util.tree_unflatten(treedef, leaves))
+
+    # -- epoch-interval schedules ---------------------------------------------------------------
+    def _set_epoch_rates(self, trainer: Any) -> None:
+        for t in self._targets:
+            if not t.config.reduce_on_plateau:
+                self._apply(trainer, t, jnp.int32(trainer.current_epoch))
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._set_epoch_rates(trainer)
+
+    # -- plateaus -------------------------------------------------------------------------------
+    def _plateau_step(self, trainer: Any, target: _Target) -> None:
+        c = target.config
+        value = trainer.callback_metrics.get(c.monitor)
+        if value is None:
+            if c.strict:
+                raise MisconfigurationError(
+                    f"ReduceLROnPlateau conditioned on metric {c.monitor} which is not available. Available metrics "
+                    f"are: {list(trainer.callback_metrics)}. Condition can be set using `monitor` key in lr "
+                    f"scheduler dict"
+                )
+            warnings.warn(
+                f"ReduceLROnPlateau conditioned on metric {c.monitor} which is not available but strict is set to "
+                f"`False`. Skipping learning rate update.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self._apply(trainer, target, value)
+
+    def _flush(self, trainer: Any) -> None:
+        pending, self._pending = self._pending, []
+        for t in pending:
+            self._plateau_step(trainer, t)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._flush(trainer)  # the previous batch's steps, after its validation (Lightning's order)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.position.window:  # inside an accumulation window: no optimizer step yet
+            return
+        for t in self._targets:
+            c = t.config
+            if c.reduce_on_plateau and c.interval == "step" and (batch_idx + 1) % c.frequency == 0:
+                self._pending.append(t)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush(trainer)
+        for t in self._targets:
+            c = t.config
+            if c.reduce_on_plateau and c.interval == "epoch" and (trainer.current_epoch + 1) % c.frequency == 0:
+                self._plateau_step(trainer, t)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush(trainer)
+
+
+def _with_lr(node: Any, value: Any) -> Any:
+    lr = node.hyperparams["learning_rate"]
+    return node._replace(hyperparams={**node.hyperparams, "learning_rate": jnp.asarray(value, jnp.asarray(lr).dtype)})
