@@ -33,7 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--strategy", default="auto", help="auto/ddp, fsdp, tp, or joined with '+' (fsdp+tp)")
+    p.add_argument(
+        "--strategy",
+        default="auto",
+        help="auto, ddp, fsdp, tp, sp (sequence), pp (pipeline), offload, or joined with '+' (fsdp+tp, fsdp+sp)",
+    )
     p.add_argument("--devices", default="auto", help="number of devices, or 'auto' (all local devices)")
     p.add_argument("--max-steps", type=int, default=600, help="optimizer steps to train")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
@@ -247,6 +251,16 @@ def generate(net: CausalTransformer, prompt: bytes, n: int, temperature: float =
     return bytes(out[len(prompt) :])
 
 
+class TextSample(jl.Callback):
+    """Logs a text sample after each validation to every logger (CSV: ``text/sample/step=N.txt``)."""
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.loggers:
+            return
+        text = (b"def " + generate(pl_module.net, b"def ", 120, seed=0)).decode("utf-8", errors="replace")
+        jl.loggers.LoggerCollection(trainer.loggers).log_text("sample", text, step=trainer.global_step)
+
+
 def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
     """Fit the GPT as ``args`` say; returns the trainer, the trained module and every step's loss."""
     jl.seed_everything(args.seed)
@@ -269,7 +283,7 @@ def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
         devices=args.devices,
         max_steps=args.max_steps,
         precision=args.precision,
-        callbacks=[history],
+        callbacks=[history, TextSample()],
         logger=jl.loggers.CSVLogger(args.out),
         log_every_n_steps=args.log_every_n_steps,
         default_root_dir=args.out,
@@ -279,6 +293,8 @@ def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
         f"mesh {dict(trainer.mesh.shape)}, strategy {args.strategy!r}"
     )
     trainer.fit(model, datamodule=dm)
+    if "val_loss" not in trainer.callback_metrics:  # max_steps ended before the first epoch's validation
+        trainer.validate(model, datamodule=dm, verbose=False)
     return trainer, model, history.values()
 
 

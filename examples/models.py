@@ -5,7 +5,7 @@ re-exports it). Every parameter carries logical axis names (the defaults of
 ``jaxlight.strategies.DEFAULT_RULES``: embed, mlp, heads, kv, vocab, norm) and
 the activations are pinned with ``jaxlight.nn.constrain`` (batch, length,
 act_embed, act_heads, act_mlp, act_vocab), so one model definition runs under
-data parallel, FSDP or tensor parallel unchanged. Outside a trainer step (or
+data parallel, FSDP, tensor or sequence parallel unchanged. Outside a trainer step (or
 on one device) ``constrain`` is the identity, so the model is plain NNX.
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight.nn import constrain
+from jaxlight.nn import LayerStack, attention, constrain
 
 VOCAB = 256  # bytes
 
@@ -36,6 +36,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     vocab: int = VOCAB
     dropout: float = 0.0
+    remat: str | None = None  # rematerialisation policy of each block (jl.nn.LayerStack), e.g. "dots_saveable"
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple, std: float) -> nnx.Param:
@@ -44,7 +45,11 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple, std: float) -> 
 
 
 class Attention(nnx.Module):
-    """Multi-head causal self-attention with per-head projections ("embed", "heads", "kv")."""
+    """Multi-head causal self-attention with per-head projections ("embed", "heads", "kv").
+
+    The attention itself is :func:`jaxlight.nn.attention`, so sequence-parallel strategies
+    (``"sp"``, ``"fsdp+sp"``) split it over the ``sequence`` axis without model changes.
+    """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         d, h = cfg.d_model, cfg.n_heads
@@ -63,12 +68,8 @@ class Attention(nnx.Module):
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...])
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...])
         q, k, v = (constrain(a, ("batch", "length", "act_heads", None)) for a in (q, k, v))
-        t = x.shape[1]
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / jnp.sqrt(jnp.float32(q.shape[-1])).astype(q.dtype)
-        mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        # jl.nn.attention: exact causal attention that a SequenceParallel strategy runs over the sequence axis
+        out = attention(q, k, v, causal=True)
         out = constrain(out, ("batch", "length", "act_heads", None))
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...])
 
@@ -133,7 +134,9 @@ class CausalTransformer(nnx.Module):
             embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
         )
         self.pos = _param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), 0.01)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        # One scanned stack of identical blocks: one compiled block body whatever the depth, and the
+        # layers dim a pipeline ("pp") places on its stages.
+        self.blocks = LayerStack(lambda r: Block(cfg, r), cfg.n_layers, rngs=rngs, remat=cfg.remat)
         self.ln_f = _layernorm(cfg.d_model, rngs)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), 0.02)
 
@@ -143,8 +146,7 @@ class CausalTransformer(nnx.Module):
             raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.cfg.seq_len}")
         x = self.tok(tokens) + self.pos[...][:t]
         x = constrain(x, ("batch", "length", "act_embed"))
-        for blk in self.blocks:
-            x = blk(x)
+        x = self.blocks(x)
         logits = self.ln_f(x) @ self.head[...]
         return constrain(logits, ("batch", "length", "act_vocab"))
 

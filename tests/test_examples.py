@@ -74,9 +74,10 @@ def test_gpt_example_learns_and_fsdp_tp_matches_one_device():
     args8.strategy = jl.strategies.FSDP(min_shard=256) + jl.strategies.TensorParallel(2)
     t8, m8, losses8 = train(args8)
     assert dict(t8.mesh.shape)["fsdp"] == 4 and dict(t8.mesh.shape)["tensor"] == 2
-    w1 = m8.net.blocks[0].mlp.w1[...]
-    assert tuple(w1.sharding.spec) == ("fsdp", "tensor"), w1.sharding.spec  # ("embed", "mlp")
-    assert len(w1.addressable_shards) == 8 and w1.addressable_shards[0].data.shape == (32 // 4, 128 // 2)
+    w1 = m8.net.blocks.layers.mlp.w1[...]  # the blocks' stacked weights: ("layers", "embed", "mlp")
+    assert tuple(w1.sharding.spec) == (None, "fsdp", "tensor"), w1.sharding.spec
+    layers = w1.shape[0]
+    assert len(w1.addressable_shards) == 8 and w1.addressable_shards[0].data.shape == (layers, 32 // 4, 128 // 2)
 
     np.testing.assert_allclose(losses8, losses1, rtol=0, atol=2e-4)
     p1 = jax.tree.leaves(jax.device_get(jax.tree.map(lambda v: v, _params(m1))))

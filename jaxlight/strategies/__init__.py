@@ -14,6 +14,7 @@ from jaxlight.strategies.rules import (
     override_rules,
     resolve_spec,
 )
+from jaxlight.strategies.sequence import SequenceParallel
 from jaxlight.strategies.strategy import (
     FILL,
     FSDP,
@@ -46,6 +47,7 @@ __all__ = [
     "LayoutError",
     "Piece",
     "PipelineParallel",
+    "SequenceParallel",
     "Strategy",
     "TensorParallel",
     "normalize_rules",

@@ -477,7 +477,7 @@ def _guard(min_shard: int | None, tolerance: float | None) -> dict[str, float]:
     return out
 
 
-def _check_size(kind: str, size: int | None) -> None:
+def check_axis_size(kind: str, size: int | None) -> None:
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ValueError(f"{kind} size must be a positive int, got {size!r}")
 
@@ -516,7 +516,7 @@ class Layout(Piece):
         if sum(1 for s in axes.values() if s == FILL) > 1:
             raise ValueError(f"at most one mesh axis may fill the remaining devices, got {axes}")
         _guard(min_shard, tolerance)
-        object.__setattr__(self, "axes", _FrozenDict(axes))
+        object.__setattr__(self, "axes", FrozenDict(axes))
         object.__setattr__(self, "rules_", normalize_rules(rules) if rules else ())
         object.__setattr__(self, "min_shard_", min_shard)
         object.__setattr__(self, "tolerance_", tolerance)
@@ -536,7 +536,7 @@ class Layout(Piece):
         return _guard(self.min_shard_, self.tolerance_)
 
 
-class _FrozenDict(dict):
+class FrozenDict(dict):
     """A hashable dict for piece fields (pieces are values: equal fields, equal pieces)."""
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -587,7 +587,7 @@ class FSDP(Piece):
         size: int | None = None,
         rules: Rules | Mapping[str, MeshAxes] = (),
     ) -> None:
-        _check_size("FSDP", size)
+        check_axis_size("FSDP", size)
         _guard(min_shard, tolerance)
         object.__setattr__(self, "min_shard_", min_shard)
         object.__setattr__(self, "tolerance_", tolerance)
@@ -629,7 +629,7 @@ class TensorParallel(Piece):
         min_shard: int | None = None,
         tolerance: float | None = None,
     ) -> None:
-        _check_size("TensorParallel", size)
+        check_axis_size("TensorParallel", size)
         _guard(min_shard, tolerance)
         object.__setattr__(self, "size", size)
         object.__setattr__(self, "rules_", normalize_rules(rules) if rules else ())
