@@ -649,7 +649,8 @@ def _search_dirs(trainer: Trainer) -> list[Path]:
 
 
 def find_last(dirs: list[Path]) -> Path | None:
-    """The most recently committed complete checkpoint in ``dirs`` (progress breaks ties)."""
+    """The most recently committed complete checkpoint in ``dirs`` (progress breaks ties, then a ``last``
+    name: a ``last.ckpt`` sharing its files with a top-k checkpoint is what Lightning's "last" resumes from)."""
     best, best_key = None, None
     for d in dirs:
         for p in list_checkpoints(d):
@@ -657,23 +658,48 @@ def find_last(dirs: list[Path]) -> Path | None:
                 m = read_meta(p)
             except CheckpointError:
                 continue
-            key = (m.get("time", 0.0), m.get("micro_batches", 0), m.get("global_step", 0))
+            key = (m.get("time", 0.0), m.get("micro_batches", 0), m.get("global_step", 0), p.name.startswith("last"))
             if best_key is None or key > best_key:
                 best, best_key = p, key
     return best
 
 
+def find_last_checkpoint(trainer: Trainer) -> Path | None:
+    """What ``ckpt_path="last"`` resolves to for ``trainer``: the newest complete checkpoint in its
+    checkpoint directories, or None when there is none yet."""
+    return find_last(_search_dirs(trainer))
+
+
+def no_last_checkpoint_reason(trainer: Trainer) -> str:
+    """Where ``ckpt_path="last"`` looked and found no complete checkpoint (with any unfinished saves)."""
+    dirs = _search_dirs(trainer)
+    partial = [str(p) for d in dirs for p in _incomplete(d)]
+    extra = f"; incomplete (never committed) saves there: {partial}" if partial else ""
+    return f"ckpt_path='last': no complete checkpoint found in {[str(d) for d in dirs]}{extra}"
+
+
+def check_hparams(module: Any, datamodule: Any = None) -> None:
+    """Raise now the :class:`CheckpointError` a save would raise for hyperparameters that a checkpoint
+    cannot store (the trainer calls it at fit start when checkpointing is on, so no epoch is lost to it)."""
+    pairs = [("checkpoint['hyper_parameters']", getattr(module, "hparams", None))]
+    if datamodule is not None:
+        pairs.append(("checkpoint['datamodule_hyper_parameters']", getattr(datamodule, "hparams", None)))
+    for root, hp in pairs:
+        if not hp:
+            continue
+        try:
+            serialization.encode(dict(hp), root=root)
+        except serialization.EncodeError as e:
+            raise _save_error(e) from None
+
+
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | os.PathLike) -> Path:
     """Turn ``"last"``, ``"best"`` or a path into a complete checkpoint directory, or raise saying why."""
     if ckpt_path == "last":
-        dirs = _search_dirs(trainer)
-        found = find_last(dirs)
+        found = find_last_checkpoint(trainer)
         if found is None:
-            partial = [str(p) for d in dirs for p in _incomplete(d)]
-            extra = f"; incomplete (never committed) saves there: {partial}" if partial else ""
             raise FileNotFoundError(
-                f"ckpt_path='last': no complete checkpoint found in {[str(d) for d in dirs]}{extra}. "
-                f"Start without ckpt_path, or pass a checkpoint path"
+                f"{no_last_checkpoint_reason(trainer)}. Start without ckpt_path, or pass a checkpoint path"
             )
         return found
     if ckpt_path == "best":
@@ -874,7 +900,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
                     lg.load_state_dict(match["state"])
     if module is not None:
         module.on_load_checkpoint(ckpt)
-    trainer.restored_ckpt_path = str(path)
+    trainer.ckpt_path = str(path)
     if trainer.is_global_zero:
         print(
             f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
@@ -942,7 +968,10 @@ __all__ = [
     "CheckpointMeta",
     "Preempted",
     "dump_checkpoint",
+    "check_hparams",
     "find_last",
+    "find_last_checkpoint",
+    "no_last_checkpoint_reason",
     "is_complete",
     "list_checkpoints",
     "load_module_from_checkpoint",

@@ -10,16 +10,19 @@ global batch and keeps the rows its devices hold.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.metrics import current_step_context, row_mask
 from jaxlight.strategies.placement import batch_axes_size, batch_spec
 
 
@@ -245,6 +248,57 @@ class Prefetched(NamedTuple):
     batch: Any  # device arrays
     rows: int  # global rows
     loader_state: Any  # loader.state_dict() right after this batch, if it has one
+    valid: int | None = None  # real rows per share of a padded batch (None: not padded)
+
+
+def pad_rows(batch: Any, rows: int) -> Any:
+    """``batch`` with every leaf grown to ``rows`` rows by repeating its real rows in order.
+
+    Repeated real rows (not zeros) keep every padded value finite and in
+    distribution, so nothing a step computes on them can turn into NaN; the
+    step tells them apart with :func:`batch_mask`.
+    """
+
+    def grow(x: Any) -> Any:
+        n = int(x.shape[0])
+        idx = np.arange(rows) % n
+        return jnp.take(x, jnp.asarray(idx), axis=0) if isinstance(x, jax.Array) else np.take(x, idx, axis=0)
+
+    return jax.tree.map(grow, batch)
+
+
+def batch_mask(batch: Any = None) -> jax.Array:
+    """``bool[rows]``: which rows of the batch a step is traced for are real samples.
+
+    Evaluation batches (validation, test, predict) are compiled for one shape:
+    a shorter batch, such as the usual last one (``len(dataset) % batch_size``
+    rows), is padded to that shape by repeating its rows, and the padding rows
+    are False here. Use the mask wherever a step reduces over rows, so the
+    padded batch contributes its real rows only::
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            mask = jl.batch_mask(batch)
+            per_row = ((self.net(x) - y) ** 2).mean(-1)
+            self.log("val_loss", (per_row * mask).sum() / mask.sum())
+
+    ``self.log`` already weighs each batch's value by its real rows, so the
+    epoch value is the mean over exactly the dataset's samples. Outside a
+    padded evaluation step (training, full batches) every row is True; there
+    the mask's length is read from ``batch`` (pass it to use the same code in
+    ``training_step``).
+    """
+    ctx = current_step_context()
+    if ctx is not None and ctx.valid is not None and ctx.rows is not None:
+        return row_mask(ctx, ctx.rows)
+    if batch is None:
+        raise ValueError(
+            "batch_mask() outside a padded evaluation step needs the batch (batch_mask(batch)) to know the row count"
+        )
+    leaves = jax.tree.leaves(batch)
+    if not leaves or not getattr(leaves[0], "ndim", 0):
+        raise ValueError("batch_mask(batch): the batch holds no array with a leading row dimension")
+    return jnp.ones((int(leaves[0].shape[0]),), jnp.bool_)
 
 
 class Prefetcher:
@@ -255,7 +309,11 @@ class Prefetcher:
     after consuming batch i resumes at i+1 even though i+1 was already read.
     Stops after ``limit`` batches. Ragged batches (a different row count than
     the first) raise unless ``drop_ragged`` is set, in which case they are
-    skipped and counted in ``dropped``.
+    skipped and counted in ``dropped``. With ``pad`` (evaluation) the step's
+    row count is the first batch's rounded up to the mesh's batch axes, and
+    any shorter batch is padded to it (:func:`pad_rows`) with its real row
+    count in ``Prefetched.valid``; only a batch longer than the compiled
+    shape raises.
     """
 
     _END = object()
@@ -272,8 +330,10 @@ class Prefetcher:
         stage: str = "train",
         expected_rows: int | None = None,
         loader_state: Any = None,
+        pad: bool = False,
     ) -> None:
         self.loader = loader
+        self.pad = pad
         self.placer = placer
         self.limit = limit
         self.start = start
@@ -302,6 +362,13 @@ class Prefetcher:
                 state = self._loader_state() if has_state else None
                 hb = host_batch(raw)
                 rows = batch_rows(hb, i)
+                if self.pad:
+                    hb, valid = self._padded(hb, rows, i)
+                    grows = self.placer.global_rows(int(jax.tree.leaves(hb)[0].shape[0]))
+                    self.placer.check(grows, i)
+                    self._put(Prefetched(i, self.placer.place(hb), grows, state, valid))
+                    i += 1
+                    continue
                 grows = self.placer.global_rows(rows)
                 if self.expected_rows is None:
                     self.expected_rows = grows
@@ -321,6 +388,24 @@ class Prefetcher:
             self._put(e)
             return
         self._put(self._END)
+
+    def _padded(self, hb: Any, rows: int, i: int) -> tuple[Any, int | None]:
+        """The batch padded to the compiled row count (fixed by the first batch), and its real rows."""
+        shares = self.placer.global_rows(1)
+        if self.expected_rows is None:
+            # rows over the batch axes: round the first batch up so every device gets whole rows
+            unit = self.placer.divisor // math.gcd(self.placer.divisor, shares)
+            self.expected_rows = -(-rows // unit) * unit * shares
+        local = self.expected_rows // shares
+        if rows > local:
+            raise BatchError(
+                f"{self.stage} batch {i} has {self.placer.global_rows(rows)} rows but the step is compiled for "
+                f"{self.expected_rows} (from the first batch); evaluation pads shorter batches, but a batch may not "
+                f"be longer than the first one"
+            )
+        if rows == local:
+            return hb, None
+        return pad_rows(hb, local), rows
 
     def _open(self) -> Iterator:
         """Iterate the loader from the resume point: a restored ``state_dict``, or ``start`` batches skipped.
@@ -387,6 +472,73 @@ class Prefetcher:
         except queue.Empty:
             pass
         self._thread.join(timeout=5)
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "shape")
+
+
+def _loader_like(obj: Any) -> bool:
+    """A loader object, or a plain list of batches (tuples, lists or dicts of arrays)."""
+    if (
+        obj is None
+        or isinstance(obj, (np.ndarray, jax.Array, np.generic, str, bytes, tuple, Mapping))
+        or _is_tensor(obj)
+    ):
+        return False
+    if isinstance(obj, list):
+        return bool(obj) and all(isinstance(b, (tuple, list, Mapping)) for b in obj)
+    return hasattr(obj, "__iter__")
+
+
+def is_loader_collection(obj: Any) -> bool:
+    """Whether ``obj`` is several loaders given at once (Lightning's list or dict of dataloaders).
+
+    A dict is several loaders when every value is a loader; a list or tuple
+    when every item is one. A loader is any iterable object that is not a
+    list, tuple, dict or array (a ``DataLoader``, a custom class), or a plain
+    ``list`` of batches that are tuples, lists or dicts. So a list of batches
+    (``[(x0, y0), (x1, y1)]``) stays one loader, and ``[loader_a, loader_b]``
+    is two.
+    """
+    if isinstance(obj, Mapping):
+        return bool(obj) and all(_loader_like(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return bool(obj) and all(_loader_like(v) for v in obj)
+    return False
+
+
+def split_loaders(obj: Any) -> list[Any]:
+    """The loaders in ``obj``, in order (dict values in insertion order); ``[obj]`` for a single loader."""
+    if obj is None:
+        return []
+    if is_loader_collection(obj):
+        return list(obj.values()) if isinstance(obj, Mapping) else list(obj)
+    return [obj]
+
+
+def tail_rows(loader: Any) -> tuple[int, int, int] | None:
+    """``(batches, rows of the first batch, rows of the last batch)`` when the loader says so without
+    being iterated (a torch ``DataLoader`` with a ``batch_size``, or a list/tuple of batches); else None."""
+    if isinstance(loader, (list, tuple)) and loader and not is_loader_collection(loader):
+        try:
+            return len(loader), batch_rows(host_batch(loader[0])), batch_rows(host_batch(loader[-1]))
+        except BatchError:
+            return None
+    bs = getattr(loader, "batch_size", None)
+    if not type(loader).__module__.startswith(("torch", "torchdata")) or not isinstance(bs, int) or bs < 1:
+        return None
+    sampler = getattr(loader, "sampler", None)
+    try:
+        n = len(sampler) if sampler is not None else len(loader.dataset)
+    except TypeError:  # an iterable dataset: no length
+        return None
+    if n == 0:
+        return None
+    if getattr(loader, "drop_last", False):
+        return (n // bs, bs, bs) if n >= bs else None
+    last = n % bs or bs
+    return -(-n // bs), min(bs, n), last
 
 
 def num_batches(loader: Any) -> int | None:

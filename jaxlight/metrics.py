@@ -9,7 +9,9 @@ trainer logs (every ``log_every_n_steps`` and at epoch end).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -29,14 +31,81 @@ class LogSpec(NamedTuple):
     reduce_fx: str
 
 
-class Collector:
-    """Gathers ``self.log`` calls during one trace (or one host-side hook)."""
+DATALOADER_SUFFIX = "/dataloader_idx_{}"
+"""Lightning's suffix for a value logged while one of several evaluation loaders runs."""
 
-    def __init__(self, stage: str, default_batch_size: int | None, on_step: bool, on_epoch: bool) -> None:
+
+class StepContext(NamedTuple):
+    """What the trainer tells a step being traced about its batch (set around the trace).
+
+    ``valid``: real rows per share of a padded evaluation batch (a traced int32
+    scalar; None when the batch is never padded, as in training); ``shares``:
+    equal blocks of rows the batch is assembled from (one per process with
+    ``process_local_batches``, else 1), each padded at its end; ``rows``: the
+    batch's (padded) row count; ``dataloader_idx``: the loader being run when
+    there are several (None for one).
+    """
+
+    valid: Any = None
+    shares: int = 1
+    rows: int | None = None
+    dataloader_idx: int | None = None
+
+
+_STEP_CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("jaxlight_step", default=None)
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    """Make ``ctx`` the context of the step traced (or hook run) inside."""
+    token = _STEP_CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _STEP_CONTEXT.reset(token)
+
+
+def current_step_context() -> StepContext | None:
+    """The context of the step being traced, or None outside a trainer's step."""
+    return _STEP_CONTEXT.get()
+
+
+def row_mask(ctx: StepContext, rows: int) -> Any:
+    """``bool[rows]``: True for the real rows of a batch assembled from ``ctx.shares`` padded blocks."""
+    if ctx.valid is None:
+        return jnp.ones((rows,), jnp.bool_)
+    share = rows // max(ctx.shares, 1)
+    return (jnp.arange(rows) % share) < ctx.valid
+
+
+class Collector:
+    """Gathers ``self.log`` calls during one trace (or one host-side hook).
+
+    Inside a padded evaluation step (see :class:`StepContext`) the default
+    weight of a value is the number of *real* rows, so a padded last batch
+    counts as many samples as it holds; with several evaluation loaders names
+    get Lightning's ``/dataloader_idx_N`` suffix (unless
+    ``add_dataloader_idx=False``).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        default_batch_size: int | None,
+        on_step: bool,
+        on_epoch: bool,
+        dataloader_idx: int | None = None,
+    ) -> None:
+        ctx = current_step_context()
         self.stage = stage
         self.default_batch_size = default_batch_size
         self.default_on_step = on_step
         self.default_on_epoch = on_epoch
+        self.dataloader_idx = dataloader_idx if dataloader_idx is not None or ctx is None else ctx.dataloader_idx
+        self._real_rows: Any = None
+        if ctx is not None and ctx.valid is not None and default_batch_size is not None:
+            real = jnp.asarray(ctx.valid, jnp.float32) * max(ctx.shares, 1)
+            self._real_rows = jnp.minimum(real, jnp.float32(default_batch_size))
         self.values: dict[str, tuple[Any, Any]] = {}
         self.specs: dict[str, LogSpec] = {}
 
@@ -51,6 +120,7 @@ class Collector:
         on_epoch: bool | None,
         reduce_fx: str,
         batch_size: int | None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
@@ -69,8 +139,15 @@ class Collector:
         on_epoch = self.default_on_epoch if on_epoch is None else bool(on_epoch)
         if not (on_step or on_epoch):
             raise ValueError(f"self.log({name!r}) with on_step=False and on_epoch=False logs nothing")
-        bs = batch_size if batch_size is not None else self.default_batch_size
-        weight = jnp.asarray(1.0 if bs is None else bs, jnp.float32)
+        if batch_size is not None:
+            weight = jnp.asarray(batch_size, jnp.float32)
+        elif self._real_rows is not None:
+            weight = self._real_rows
+        else:
+            bs = self.default_batch_size
+            weight = jnp.asarray(1.0 if bs is None else bs, jnp.float32)
+        if add_dataloader_idx and self.dataloader_idx is not None:
+            name = name + DATALOADER_SUFFIX.format(self.dataloader_idx)
         spec = LogSpec(on_step, on_epoch, bool(prog_bar), bool(logger), reduce_fx)
         prev = self.specs.get(name)
         if prev is not None and prev != spec:

@@ -14,40 +14,55 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlight.loggers.logger import LoggerCollection
-from jaxlight.metrics import Collector, LogSpec, MetricStore, to_host
+from jaxlight.metrics import DATALOADER_SUFFIX, Collector, LogSpec, MetricStore, to_host
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
 
 _STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+_SUFFIX_MARK = DATALOADER_SUFFIX.split("{")[0]
 
 
 def _name(spec: LogSpec, name: str, level: str) -> str:
-    """Lightning's naming: a value logged both per step and per epoch gets ``_step``/``_epoch``."""
-    return f"{name}_{level}" if spec.on_step and spec.on_epoch else name
+    """Lightning's naming: a value logged both per step and per epoch gets ``_step``/``_epoch``, before a
+    ``/dataloader_idx_N`` suffix (``vs_step/dataloader_idx_1``)."""
+    if not (spec.on_step and spec.on_epoch):
+        return name
+    base, sep, idx = name.partition(_SUFFIX_MARK)
+    return f"{base}_{level}{sep}{idx}"
 
 
 class MetricReporter:
     """Owns the metric stores and the three metric views of a Trainer.
 
     Guarantees: nothing here syncs with the device except :meth:`publish_step`,
-    :meth:`publish_epoch` and :meth:`refresh_progress_bar`; loggers receive
-    values on process 0 only, at step ``global_step - 1`` (the step that
-    produced them), with Lightning's ``epoch`` entry outside the sanity check.
+    :meth:`epoch_values`, :meth:`flush_eval_steps` and :meth:`refresh_progress_bar`;
+    loggers receive values on process 0 only, at Lightning's steps (the train
+    step that produced them, ``global_step - 1``; per-batch evaluation values
+    at the count of that loader's batches run so far), with Lightning's
+    ``epoch`` entry added to what loggers get (not to ``logged_metrics``)
+    except for per-batch evaluation values.
     """
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self.stores: dict[str, MetricStore] = {}
         self.callback_metrics: dict[str, Any] = {}
-        self.logged_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, Any] = {}  # floats, and device arrays of the latest step until fetched
         self.progress_bar_metrics: dict[str, float] = {}
         self.stage = "train"  # the stage whose hooks are running (host self.log goes to its store)
         self.hook: str | None = None  # the hook running now (host self.log picks its defaults from it)
+        self.dataloader_idx: int | None = None  # the evaluation loader running, when there are several
         self._host_col: Collector | None = None
+        self._eval_seen: dict[tuple[str, int], int] = {}  # Lightning's per-loader count of logged eval batches
+        self._eval_rows: list[tuple[int, dict[str, Any], dict[str, Any]]] = []  # (step, logger row, bar values)
+        self._loader_of: dict[str, int] = {}  # store key -> the evaluation loader it was logged under
+        self._logged_loader: dict[str, int | None] = {}  # logged epoch name -> that loader (None: outside any)
 
     def store(self, stage: str) -> MetricStore:
         return self.stores.setdefault(stage, MetricStore())
@@ -66,7 +81,9 @@ class MetricReporter:
         """Where ``self.log`` records when called outside a compiled step."""
         if self._host_col is None:
             step_level = self.hook in _STEP_HOOKS
-            self._host_col = Collector(self.stage, None, on_step=step_level, on_epoch=not step_level)
+            self._host_col = Collector(
+                self.stage, None, on_step=step_level, on_epoch=not step_level, dataloader_idx=self.dataloader_idx
+            )
         return self._host_col
 
     def flush_host_logs(self) -> None:
@@ -77,23 +94,76 @@ class MetricReporter:
         store = self.store(col.stage)
         store.register(col.specs)
         store.update(col.values)
+        if col.dataloader_idx is not None:
+            for k in col.values:
+                self._loader_of.setdefault(k, col.dataloader_idx)
         for k, (v, _) in col.values.items():
             self.callback_metrics[k] = v
 
     # -- per step (no sync) ---------------------------------------------------------
     def on_train_step(self, logs: Mapping[str, Any]) -> None:
-        """Record one train step's logged values (device arrays) as the latest callback metrics."""
+        """Record one train step's logged values (device arrays, by reference) as the latest callback and
+        logged metrics."""
         store = self.store("train")
         store.update(logs)
         for k, v in store.step_values.items():
             spec = store.specs[k]
             if spec.on_step:
                 self.callback_metrics[k] = v
+                name = _name(spec, k, "step")
                 if spec.on_epoch:
-                    self.callback_metrics[f"{k}_step"] = v
+                    self.callback_metrics[name] = v
+                if spec.logger:
+                    self.logged_metrics[name] = v
 
-    def on_eval_step(self, stage: str, logs: Mapping[str, Any]) -> None:
-        self.store(stage).update(logs)
+    def on_eval_step(self, stage: str, logs: Mapping[str, Any], dataloader_idx: int = 0) -> None:
+        """Record one evaluation step's values. Values logged ``on_step`` become ``logged_metrics`` now (by
+        reference) and a logger row at Lightning's step (the loader's batch count), sent by
+        :meth:`flush_eval_steps`; never during the sanity check."""
+        store = self.store(stage)
+        store.update(logs)
+        for k in logs:
+            self._loader_of.setdefault(k, dataloader_idx)
+        if self._trainer.sanity_checking:
+            return
+        row = {}
+        for k in logs:
+            spec = store.specs[k]
+            if spec.on_step and spec.logger:
+                name = _name(spec, k, "step")
+                self.logged_metrics[name] = logs[k][0]
+                row[name] = logs[k][0]
+        pbar = {k: logs[k][0] for k in logs if store.specs[k].on_step and store.specs[k].prog_bar}
+        if row or pbar:
+            key = (stage, dataloader_idx)
+            seen = self._eval_seen.get(key, 0)
+            self._eval_seen[key] = seen + 1
+            self._eval_rows.append((seen, row, {_name(store.specs[k], k, "step"): v for k, v in pbar.items()}))
+
+    def flush_eval_steps(self) -> None:
+        """Send the buffered per-batch evaluation rows to the loggers (one fetch for all of them)."""
+        rows, self._eval_rows = self._eval_rows, []
+        if not rows:
+            return
+        fetched = jax.device_get([(r, p) for _, r, p in rows])
+        for (step, _, _), (row, pbar) in zip(rows, fetched):
+            self.progress_bar_metrics.update({k: float(np.asarray(v)) for k, v in pbar.items()})
+            if row:
+                self.send({k: float(np.asarray(v)) for k, v in row.items()}, step=step, add_epoch=False)
+
+    def reset_eval_counts(self) -> None:
+        """A new fit or evaluation run: per-batch evaluation values are logged from step 0 again."""
+        self._eval_seen = {}
+        self._eval_rows = []
+        self._loader_of = {}
+        self._logged_loader = {}
+
+    def by_loader(self, metrics: Mapping[str, float], loaders: int) -> list[dict[str, float]]:
+        """Lightning's per-loader results of an evaluation run: each loader's dict holds what was logged
+        while it ran, plus what was logged outside any loader (the epoch-end hooks)."""
+        if loaders == 1:
+            return [dict(metrics)]
+        return [{k: v for k, v in metrics.items() if self._logged_loader.get(k) in (None, i)} for i in range(loaders)]
 
     # -- host fetches -------------------------------------------------------------
     def publish_step(self) -> None:
@@ -138,6 +208,7 @@ class MetricReporter:
         for k, v in (to_host(vals) if vals else {}).items():
             spec = store.specs[k]
             name = _name(spec, k, "epoch")
+            self._logged_loader[name] = self._loader_of.get(k)
             self.callback_metrics[k] = jnp.float32(v)
             self.callback_metrics[name] = jnp.float32(v)
             if spec.prog_bar:
@@ -146,35 +217,49 @@ class MetricReporter:
                 out[name] = v
         return out
 
-    def send(self, metrics: Mapping[str, float]) -> None:
-        """Hand host values to every logger (process 0) and record them as logged."""
+    def send(self, metrics: Mapping[str, float], step: int | None = None, add_epoch: bool = True) -> None:
+        """Record host values as logged and hand them to every logger (process 0) at ``step`` (default:
+        ``global_step - 1``, the train step that produced them). Loggers also get Lightning's ``epoch``
+        entry (``add_epoch``); ``logged_metrics`` does not."""
         if not metrics:
             return
         trainer = self._trainer
-        metrics = dict(metrics)
-        if not trainer.sanity_checking:
-            metrics["epoch"] = float(trainer.current_epoch)
         self.logged_metrics.update(metrics)
         if trainer.loggers and trainer.is_global_zero:
-            LoggerCollection(trainer.loggers).log_metrics(metrics, step=max(trainer.global_step - 1, 0))
+            out = dict(metrics)
+            if add_epoch and not trainer.sanity_checking:
+                out.setdefault("epoch", float(trainer.current_epoch))
+            step = max(trainer.global_step - 1, 0) if step is None else step
+            LoggerCollection(trainer.loggers).log_metrics(out, step=step)
 
     # -- epochs and the sanity check ----------------------------------------------------
     def reset_epoch(self, stage: str) -> None:
         self.store(stage).reset_epoch()
 
+    def reset(self) -> None:
+        """A new fit/validate/test/predict call: Lightning starts every run with empty metric views."""
+        self.clear_views()
+        for store in self.stores.values():  # values go, the flags registered by compiled steps stay
+            store.reset_epoch()
+        self._host_col = None
+        self.reset_eval_counts()
+
+    def clear_views(self) -> None:
+        """Empty the three metric views (Lightning resets them around the sanity check)."""
+        self.callback_metrics.clear()
+        self.logged_metrics.clear()
+        self.progress_bar_metrics.clear()
+
     @contextlib.contextmanager
     def discarding(self) -> Iterator[None]:
-        """Whatever is logged inside (the sanity check) leaves the three views as they were."""
-        saved = (dict(self.callback_metrics), dict(self.logged_metrics), dict(self.progress_bar_metrics))
+        """The sanity check: the three views start empty and are emptied again afterwards, as Lightning
+        does, so nothing logged inside is seen or sent."""
+        self.clear_views()
         try:
             yield
         finally:
-            self.callback_metrics.clear()
-            self.callback_metrics.update(saved[0])
-            self.logged_metrics.clear()
-            self.logged_metrics.update(saved[1])
-            self.progress_bar_metrics.clear()
-            self.progress_bar_metrics.update(saved[2])
+            self.clear_views()
+            self._eval_rows = []
 
     # -- checkpoints -------------------------------------------------------------------
     def epoch_state_dict(self, stage: str = "train") -> dict[str, Any] | None:

@@ -106,17 +106,24 @@ def nnx_attributes(module: Any) -> dict[str, nnx.Module]:
     return {k: v for k, v in vars(module).items() if isinstance(v, nnx.Module)}
 
 
+_TRAIN_MODE = {"deterministic": False, "use_running_average": False}
+_EVAL_MODE = {"deterministic": True, "use_running_average": True}
+
+
+def mode_view(models: Mapping[str, nnx.Module], train: bool) -> dict[str, nnx.Module]:
+    """Views of ``models`` in training or eval mode (what ``m.train()`` / ``m.eval()`` set: Dropout's
+    ``deterministic``, BatchNorm's ``use_running_average``), sharing their arrays and leaving the
+    modules themselves, and so the user's chosen mode, untouched."""
+    attrs = _TRAIN_MODE if train else _EVAL_MODE
+    return nnx.with_attributes(dict(models), raise_if_not_found=False, **attrs)
+
+
 def split_models(models: Mapping[str, nnx.Module]) -> tuple[ModelParts, dict, dict]:
-    """Split NNX modules into static parts and flat ``params``/``rest`` dicts."""
+    """Split NNX modules into static parts (a graph in training mode and one in eval mode) and flat
+    ``params``/``rest`` dicts. The modules are not changed (their train/eval mode included)."""
     models = dict(models)
-    for m in models.values():
-        m.train()
-    gd_train, params, rest = nnx.split(models, nnx.Param, ...)
-    for m in models.values():
-        m.eval()
-    gd_eval, _, _ = nnx.split(models, nnx.Param, ...)
-    for m in models.values():
-        m.train()
+    gd_train, params, rest = nnx.split(mode_view(models, True), nnx.Param, ...)
+    gd_eval, _, _ = nnx.split(mode_view(models, False), nnx.Param, ...)
     pc, rc = StateCodec(params), StateCodec(rest)
     parts = ModelParts(tuple(models), gd_train, gd_eval, pc, rc)
     return parts, pc.to_flat(params), rc.to_flat(rest)

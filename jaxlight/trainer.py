@@ -27,12 +27,13 @@ from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.progress import TQDMProgressBar
 from jaxlight.callbacks.timer import Timer
 from jaxlight.compile_cache import configure_compile_cache
+from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
 from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger, LoggerCollection
-from jaxlight.loops import EvalLoop, FitLoop, batch_limit, loader_for
+from jaxlight.loops import EvalLoop, FitLoop, batch_limit, loader_for, train_batches
 from jaxlight.module import LightningModule
 from jaxlight.optim import configure as configure_optimizer
 from jaxlight.position import LoopPosition
@@ -40,6 +41,7 @@ from jaxlight.precision import resolve_precision
 from jaxlight.reporting import MetricReporter
 from jaxlight.stages import STAGES, TRAIN
 from jaxlight.step import TrainState
+from jaxlight.strategies.auto import AutoStrategy
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import summarize
 
@@ -137,6 +139,7 @@ class Trainer:
         process_local_batches: bool = False,
         prefetch: int = 2,
         compile_cache: bool | str | os.PathLike | None = None,
+        device_memory: int | str | None = None,
     ) -> None:
         if accelerator not in ("auto", "cpu", "gpu", "cuda", "tpu"):
             raise MisconfigurationError(f"accelerator={accelerator!r}; choose 'auto', 'cpu', 'gpu' or 'tpu'")
@@ -145,6 +148,8 @@ class Trainer:
         self.precision_plugin = resolve_precision(precision)
         self.precision = self.precision_plugin.name
         self.strategy = resolve_strategy(strategy)
+        # strategy="auto": the layout is chosen by memory at the start of fit (jaxlight/strategies/auto.py)
+        self.auto_strategy = AutoStrategy.for_trainer(strategy, device_memory)
         self._devices = _resolve_devices(devices)
         if num_nodes != 1 and num_nodes != jax.process_count():
             raise MisconfigurationError(
@@ -208,6 +213,11 @@ class Trainer:
         self.min_epochs = min_epochs or 0
         self.max_steps = max_steps
         self.min_steps = min_steps or 0
+        if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
+            raise MisconfigurationError(
+                f"val_check_interval={val_check_interval} is a fraction of an epoch, but check_val_every_n_epoch=None "
+                f"counts batches across epochs: pass an int number of batches"
+            )
         if val_check_interval is None:
             val_check_interval = 1.0
         if isinstance(val_check_interval, float) and not (0.0 < val_check_interval <= 1.0):
@@ -274,8 +284,13 @@ class Trainer:
         self.lightning_module: LightningModule | None = None
         self.datamodule: LightningDataModule | None = None
         self.batch_idx = 0
-        self.restored_ckpt_path: str | None = None
+        self.ckpt_path: str | None = None  # the checkpoint this run restored from (Lightning's name)
+        self.train_dataloader: Any = None
+        self.val_dataloaders: Any = None
+        self.test_dataloaders: Any = None
+        self.predict_dataloaders: Any = None
         self._hooks: dict[str, tuple[list[Callback], bool]] = {}
+        self._module_readers: set[str] = set()
 
     # ------------------------------------------------------------------ props
     @property
@@ -332,11 +347,35 @@ class Trainer:
         return self.engine.compile_counts
 
     @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps ``fit`` will take, computed as Lightning does (available in ``configure_optimizers``).
+
+        ``ceil(num_training_batches / accumulate_grad_batches) * max_epochs``
+        (the ceil counts the partial accumulation window that steps at each
+        epoch's end), capped by ``max_steps``; ``max_steps`` when the epoch
+        length is unknown or ``max_epochs=-1`` (``inf`` if neither is set).
+        """
+        if self.max_epochs == -1:
+            return math.inf if self.max_steps == -1 else self.max_steps
+        total = self.num_training_batches
+        if total == math.inf:
+            if self.lightning_module is None or self.train_dataloader is None:
+                raise MisconfigurationError(
+                    "estimated_stepping_batches needs the train loader: read it during fit (e.g. in "
+                    "configure_optimizers)"
+                )
+            return self.max_steps
+        steps = math.ceil(total / self.accumulate_grad_batches) * max(self.max_epochs, 1)
+        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+
+    @property
     def callback_metrics(self) -> dict[str, Any]:
         return self.reporter.callback_metrics
 
     @property
-    def logged_metrics(self) -> dict[str, float]:
+    def logged_metrics(self) -> dict[str, Any]:
+        """What went (or goes, at the next logging step) to the loggers, by logged name; no ``epoch`` entry.
+        Values logged in the last step are device arrays (held by reference, no sync) until fetched."""
         return self.reporter.logged_metrics
 
     @property
@@ -400,6 +439,21 @@ class Trainer:
             impl = getattr(type(module), name, None) if module is not None else None
             mod = module is not None and (name in vars(module) or impl is not getattr(LightningModule, name, None))
             self._hooks[name] = (cbs, mod and hasattr(module, name))
+        # Hooks whose user code may read the module's NNX attributes between train steps (the step donates
+        # the arrays they point at): the loop re-points them at the new state before calling these only.
+        self._module_readers = set()
+        saving = any(_user_code(c.on_save_checkpoint) for c in self._hooks["on_save_checkpoint"][0])
+        saving |= module is not None and self._hooks["on_save_checkpoint"][1]
+        for name in ("on_train_batch_start", "on_train_batch_end"):
+            cbs, mod = self._hooks[name]
+            user = any(_user_code(getattr(c, name)) for c in cbs) or (mod and _user_code(getattr(module, name)))
+            if user or (saving and cbs):
+                self._module_readers.add(name)
+
+    def hook_reads_module(self, hook: str) -> bool:
+        """Whether a user's implementation of per-batch ``hook`` runs this fit (so the loop points the
+        module's attributes at the current train state first; jaxlight's own callbacks never read them)."""
+        return hook in self._module_readers
 
     def call_hook(self, hook: str, *args: Any, module: bool = True, callbacks: Sequence[Callback] | None = None) -> Any:
         """Call ``hook`` on the callbacks (those given, or every one that implements it), then on the
@@ -465,6 +519,7 @@ class Trainer:
             if self.datamodule is not None:
                 self.datamodule.setup(setup_stage)
             self.call_hook("setup", setup_stage)
+            self.reporter.reset()  # Lightning: every run starts with empty metric views
             yield
         except BaseException as e:
             status = "failed"
@@ -517,20 +572,35 @@ class Trainer:
             datamodule, train_dataloaders = train_dataloaders, None
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise MisconfigurationError("pass either dataloaders or a datamodule to fit, not both")
+        if isinstance(model, LightningModule) and model.frozen:
+            raise MisconfigurationError(
+                f"{type(model).__name__} is frozen (freeze() was called, for inference): call model.unfreeze() "
+                f"before fit. To train part of the model, keep it unfrozen and mask the optimizer instead"
+            )
         with self._run("train", model, datamodule):
             self.should_stop = False
             # val before train: Lightning's order (sanity check first); both before any work is done
-            val_loader = loader_for(self, STAGES["validate"], val_dataloaders)
+            val_loaders = split_loaders(loader_for(self, STAGES["validate"], val_dataloaders))
             train_loader = loader_for(self, TRAIN, train_dataloaders)
             if train_loader is None:
                 raise MisconfigurationError("fit needs train_dataloaders, a datamodule or model.train_dataloader()")
-            if val_loader is not None and not model._overrides("validation_step"):
+            if val_loaders and not model._overrides("validation_step"):
                 # Lightning: a val loader without validation_step skips validation, with a warning
                 warnings.warn(
                     f"{type(model).__name__} has a val dataloader but no validation_step; skipping validation",
                     stacklevel=2,
                 )
-                val_loader = None
+                val_loaders = []
+            self.train_dataloader = train_loader
+            self.val_dataloaders = (val_loaders[0] if len(val_loaders) == 1 else val_loaders) or None
+            # known before configure_optimizers, so a schedule can be sized (estimated_stepping_batches)
+            self.num_training_batches = train_batches(self, train_loader)
+            if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (strategies/auto.py)
+                chosen = self.auto_strategy.choose(self, self._devices, train_loader)
+                if chosen != self.strategy:
+                    self.strategy, self.mesh = chosen, chosen.build_mesh(self._devices)
+                    self.engine = Engine(chosen, self.mesh, self.precision_plugin)
+                    self.engine.attach(model)
             self.engine.setup_model()
             optimizer = configure_optimizer(
                 self.call_module_hook("configure_optimizers"),
@@ -538,9 +608,23 @@ class Trainer:
                 gradient_clip_algorithm=self.gradient_clip_algorithm,
                 accumulate_grad_batches=self.accumulate_grad_batches,
             )
+            # -- LP2 (issue 11): plateau and epoch-interval schedulers are stepped on the host by a callback,
+            # placed first so LearningRateMonitor reads the rates it sets.
+            from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
+
+            others = [c for c in self.callbacks if not isinstance(c, LRSchedulerStepper)]
+            stepper = [LRSchedulerStepper()] if optimizer.host_stepped else []
+            if stepper or len(others) != len(self.callbacks):
+                self.callbacks = _checkpoint_callbacks_last(stepper + others)
+                self._build_hook_table()
+            # -- end LP2
             self.engine.setup_training(optimizer, self.callbacks, self, self.global_step)
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage="fit")
+            if self.checkpoint_callbacks:
+                from jaxlight.checkpoint import check_hparams
+
+                check_hparams(model, self.datamodule)  # fail now, not at the first save an epoch later
             if self.loggers and self.is_global_zero and getattr(model, "_log_hyperparams", True):
                 hp = dict(model.hparams)
                 if self.datamodule is not None and hasattr(self.datamodule, "hparams"):
@@ -556,18 +640,33 @@ class Trainer:
             ):
                 assert self.train_state is not None
                 print(summarize(self.train_state.params, self.train_state.opt_state, self.mesh))
+            before = self.engine.module_leaves()
             self.call_hook("on_fit_start")
+            after = self.engine.module_leaves()
+            if len(before) != len(after) or any(a is not b for a, b in zip(before, after)):
+                # the user loaded weights into the module (Lightning users do it in on_fit_start): train those
+                self.engine.adopt_module_edits()
             loop = FitLoop(self)
-            if val_loader is not None and self.num_sanity_val_steps != 0 and self.global_step == 0:
-                loop.sanity_check(val_loader)  # not when resuming mid-run
-            loop.run(train_loader, val_loader)
+            if (
+                loop.validation_enabled(val_loaders)
+                and self.num_sanity_val_steps != 0
+                and not self.position.resume_offset
+            ):
+                loop.sanity_check(val_loaders)  # Lightning: not when resuming inside an epoch
+            loop.run(train_loader, val_loaders)
             self.call_hook("on_fit_end")
         for cb in self.callbacks:
             cb.wait_until_finished()
 
     def _restore(self, ckpt_path: str, stage: str) -> None:
-        from jaxlight.checkpoint import restore_into_trainer
+        from jaxlight.checkpoint import find_last_checkpoint, no_last_checkpoint_reason, restore_into_trainer
 
+        if ckpt_path == "last" and find_last_checkpoint(self) is None:
+            # Lightning: not an error, so a script can always pass ckpt_path="last" (resume if there is one)
+            warnings.warn(
+                f"{no_last_checkpoint_reason(self)}; {stage}() starts without a checkpoint", UserWarning, stacklevel=3
+            )
+            return
         restore_into_trainer(self, ckpt_path, stage)
 
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
@@ -610,9 +709,14 @@ class Trainer:
         if stage != "predict" and not model._overrides(st.step_method):  # predict_step has a default
             raise MisconfigurationError(f"{stage}() needs {type(model).__name__}.{st.step_method}(batch, batch_idx)")
         with self._run(stage, model, datamodule):
-            loader = loader_for(self, st, dataloaders)
-            if loader is None:
+            loaders = split_loaders(loader_for(self, st, dataloaders))
+            if not loaders:
                 raise MisconfigurationError(f"{stage}() needs dataloaders, a datamodule or the module's loader method")
+            setattr(
+                self,
+                f"{st.hook if stage != 'validate' else 'val'}_dataloaders",
+                loaders[0] if len(loaders) == 1 else loaders,
+            )
             self.engine.setup_model()
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage=stage)
@@ -620,7 +724,9 @@ class Trainer:
                 # the user may have edited the module since fit: evaluate what it holds now
                 params, rest = self.engine.read_module()
                 self.train_state = self.train_state._replace(params=params, rest=rest)
-            out = EvalLoop(self, st).run(loader, batch_limit(self, st, loader))
+            limits = [batch_limit(self, st, dl) for dl in loaders]
+            # Lightning logs a standalone evaluation at the count of optimizer steps taken so far
+            out = EvalLoop(self, st).run(loaders, limits, log_step=self.global_step)
         return out
 
     def validate(
@@ -631,11 +737,13 @@ class Trainer:
         verbose: bool = True,
         datamodule: LightningDataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one validation epoch; returns ``[{metric: value}]`` of the epoch-level logged metrics."""
-        metrics = self._run_eval("validate", model, dataloaders, ckpt_path, datamodule)
+        """Run one validation epoch; returns the epoch-level logged metrics, one dict per loader
+        (``[{metric: value}]`` for one loader; ``[]`` when ``limit_val_batches`` leaves no batch)."""
+        results = self._run_eval("validate", model, dataloaders, ckpt_path, datamodule)
         if verbose and self.is_global_zero:
-            _print_results("Validate", metrics)
-        return [metrics]
+            for i, metrics in enumerate(results):
+                _print_results("Validate" + (f" (dataloader {i})" if len(results) > 1 else ""), metrics)
+        return results
 
     def test(
         self,
@@ -645,11 +753,13 @@ class Trainer:
         verbose: bool = True,
         datamodule: LightningDataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one test epoch; returns ``[{metric: value}]`` of the epoch-level logged metrics."""
-        metrics = self._run_eval("test", model, dataloaders, ckpt_path, datamodule)
+        """Run one test epoch; returns the epoch-level logged metrics, one dict per loader
+        (``[{metric: value}]`` for one loader; ``[]`` when ``limit_test_batches`` leaves no batch)."""
+        results = self._run_eval("test", model, dataloaders, ckpt_path, datamodule)
         if verbose and self.is_global_zero:
-            _print_results("Test", metrics)
-        return [metrics]
+            for i, metrics in enumerate(results):
+                _print_results("Test" + (f" (dataloader {i})" if len(results) > 1 else ""), metrics)
+        return results
 
     def predict(
         self,
@@ -659,9 +769,18 @@ class Trainer:
         return_predictions: bool | None = None,
         ckpt_path: str | None = None,
     ) -> list[Any] | None:
-        """Run ``predict_step`` over every batch; returns the per-batch outputs (jax arrays)."""
+        """Run ``predict_step`` over every batch; returns the per-batch outputs (jax arrays), a list per
+        loader when there are several. A padded last batch's outputs are cut to its real rows, so there is
+        exactly one output row per sample."""
         preds = self._run_eval("predict", model, dataloaders, ckpt_path, datamodule)
         return preds if return_predictions is not False else None
+
+
+def _user_code(fn: Any) -> bool:
+    """Whether ``fn`` (a bound method or a function) was written outside jaxlight."""
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", None)
+    return not (isinstance(module, str) and (module == "jaxlight" or module.startswith("jaxlight.")))
 
 
 def _checkpoint_callbacks_last(cbs: list[Callback]) -> list[Callback]:

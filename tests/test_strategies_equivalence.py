@@ -229,10 +229,10 @@ def test_parameters_are_created_sharded(runs):
     """configure_model runs inside one SPMD program whose per-device output and scratch are a shard's worth."""
     fsdp, ddp = runs["fsdp"][0], runs["ddp"][0]
     whole = sum(v.nbytes for v in ddp.train_state.params.values())
-    m = fsdp._init_compiled.memory_analysis()
+    m = fsdp.engine.init_compiled.memory_analysis()
     assert m.output_size_in_bytes < 0.15 * whole
     assert m.output_size_in_bytes + m.temp_size_in_bytes < 0.5 * whole
-    hlo = fsdp._init_compiled.as_text()
+    hlo = fsdp.engine.init_compiled.as_text()
     assert not re.search(r"all-gather|all-reduce", hlo)  # nothing built whole then scattered
 
 

@@ -24,18 +24,25 @@ class TQDMProgressBar(Callback):
         self.leave = leave
         self.file = file
         self._bars: dict[str, Any] = {}
+        self._seen: dict[str, int] = {}
         self._shown_metrics: dict[str, float] | None = None
 
     @property
     def is_enabled(self) -> bool:
         return self.refresh_rate > 0
 
-    def _new(self, trainer: Any, key: str, desc: str, total: int | None, leave: bool) -> None:
+    def _new(self, trainer: Any, key: str, desc: str, total: Any, leave: bool) -> None:
         if not self.is_enabled or not trainer.is_global_zero:
             return
         from tqdm.auto import tqdm
 
+        if isinstance(total, (list, tuple)):  # several evaluation loaders: one bar over all of them
+            total = sum(total)
+        if total is not None and total == float("inf"):
+            total = None
+
         self._close(key)
+        self._seen[key] = 0
         self._bars[key] = tqdm(
             total=total,
             desc=desc,
@@ -51,7 +58,8 @@ class TQDMProgressBar(Callback):
         bar = self._bars.get(key)
         if bar is None:
             return
-        n = batch_idx + 1
+        # batches shown so far: batch_idx restarts with each evaluation loader, so count them instead
+        self._seen[key] = n = max(self._seen.get(key, 0) + 1, batch_idx + 1) if key != "train" else batch_idx + 1
         if n % self.refresh_rate == 0 or (bar.total is not None and n >= bar.total):
             bar.update(n - bar.n)
             if key == "train":

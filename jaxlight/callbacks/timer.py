@@ -27,10 +27,12 @@ def parse_duration(duration: Any) -> timedelta:
 class Timer(Callback):
     """Stops ``fit`` once ``duration`` of training time has elapsed.
 
-    Checked after every train batch (``interval="step"``) or epoch; the stop
-    is Lightning's graceful one (``trainer.should_stop``), so epoch-end
-    callbacks such as checkpointing still run. Elapsed time is saved in the
-    checkpoint, so a resumed run counts the time already spent.
+    Checked at fit start (after a checkpoint is restored), then after every
+    train batch (``interval="step"``) or epoch; the stop is Lightning's
+    graceful one (``trainer.should_stop``), so epoch-end callbacks such as
+    checkpointing still run. Elapsed time is saved in the checkpoint, so a
+    resumed run counts the time already spent, and a budget already used up
+    (or ``max_time`` of zero) trains nothing, as in Lightning.
     """
 
     def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True) -> None:
@@ -53,6 +55,7 @@ class Timer(Callback):
         if not self._restored:
             self._offset = 0.0
         self._restored = False
+        self._check(trainer)  # a budget already spent (or zero) stops before the first batch, as Lightning
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.monotonic()
