@@ -8,6 +8,7 @@ and places it on a device mesh.
 from jaxlight import callbacks, distributed, loggers, nn, optim, strategies
 from jaxlight.callbacks import Callback
 from jaxlight.checkpoint import CheckpointError, Preempted
+from jaxlight.data import batch_mask
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.module import LightningModule
 from jaxlight.seed import seed_everything
@@ -27,6 +28,7 @@ __all__ = [
     "StepError",
     "Trainer",
     "TrainState",
+    "batch_mask",
     "callbacks",
     "distributed",
     "loggers",

@@ -880,6 +880,8 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
                 )
             state = by_process[jax.process_index()]
         trainer.position.load_state_dict(fl, loader_state=state)
+        if module is not None:  # Lightning: the module's hook before the callbacks'
+            module.on_load_checkpoint(ckpt)
         for cb in trainer.callbacks:
             cb.on_load_checkpoint(trainer, module, ckpt)
         states = ckpt.get("callbacks", {})
@@ -898,7 +900,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
                 pending.remove(match)
                 if match.get("state"):
                     lg.load_state_dict(match["state"])
-    if module is not None:
+    if module is not None and not fit:
         module.on_load_checkpoint(ckpt)
     trainer.ckpt_path = str(path)
     if trainer.is_global_zero:

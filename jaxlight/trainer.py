@@ -31,6 +31,7 @@ from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
+from jaxlight.imports import sync_rank
 from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, batch_limit, loader_for, train_batches
@@ -176,6 +177,7 @@ class Trainer:
         self.prefetch = prefetch
         self.compile_cache = configure_compile_cache(compile_cache)
         self.deterministic = bool(deterministic)
+        sync_rank()  # lightning-utilities' rank_zero_* helpers follow JAX's process index
         if seed is not None:
             from jaxlight.seed import seed_everything
 
@@ -595,6 +597,8 @@ class Trainer:
             self.val_dataloaders = (val_loaders[0] if len(val_loaders) == 1 else val_loaders) or None
             # known before configure_optimizers, so a schedule can be sized (estimated_stepping_batches)
             self.num_training_batches = train_batches(self, train_loader)
+            if self.loggers and self.is_global_zero:
+                LoggerCollection(self.loggers).setup()  # a misconfigured tracker fails before any compile
             if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (strategies/auto.py)
                 chosen = self.auto_strategy.choose(self, self._devices, train_loader)
                 if chosen != self.strategy:

@@ -187,6 +187,9 @@ def test_eval_hook_order(data, verb, noun, loader):
         *eval_epoch(noun, 2),
         f"Callback.on_{noun}_end",
         f"on_{noun}_end",
+        # Lightning puts the module back in train mode after a standalone validate (checked against
+        # pytorch-lightning in tests/test_lightning_diff.py); test has no such hook
+        *(["on_validation_model_train"] if noun == "validation" else []),
         "Callback.teardown",
         "teardown",
     ]

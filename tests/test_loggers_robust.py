@@ -162,24 +162,22 @@ class NeverRuns(Classifier):
         raise AssertionError("the model was set up although a logger is misconfigured")
 
 
-class LoggerSetup(jl.Callback):
-    """Stands in for the trainer's fit-start call of the loggers' setup (the callbacks' setup runs first)."""
-
-    def setup(self, trainer, module, stage):
-        LoggerCollection(trainer.loggers).setup()
-
-
 def test_misconfigured_trackers_fail_at_fit_start(tmp_path, monkeypatch):
+    """The trainer creates every logger's run when fit starts: a misconfigured tracker fails before the model
+    is set up or anything compiles (NeverRuns would raise if configure_model ran)."""
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
+    t = jl.Trainer(max_epochs=1, devices=1, **quiet(logger=[jl.loggers.CSVLogger(not_a_dir)]))
     with pytest.raises(NotADirectoryError):
-        _fit([jl.loggers.CSVLogger(not_a_dir)], [LoggerSetup()])
+        t.fit(NeverRuns(), DATA)
+    assert t.train_state is None and not t.compile_counts
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     bad = jl.loggers.MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")  # MLflow 3 refuses file stores
-    t = jl.Trainer(max_epochs=1, devices=1, callbacks=[LoggerSetup()], **quiet(logger=[bad]))
+    t = jl.Trainer(max_epochs=1, devices=1, **quiet(logger=[bad]))
     with pytest.raises(mlflow.exceptions.MlflowException, match="sqlite"):
         t.fit(NeverRuns(), DATA)
+    assert t.train_state is None
 
 
 def test_mlflow_defaults_to_sqlite_under_save_dir_and_survives_an_outage(tmp_path, monkeypatch):
