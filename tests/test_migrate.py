@@ -469,31 +469,3 @@ def test_bad_sources(tmp_path):
         path = tmp_path / "o.pt"
         torch.save({"w": NotATensor()}, path)
         torch.load(path, weights_only=True)
-
-
-def test_porting_doc_examples_run(capsys):
-    """docs/porting_torch.md runs as written and prints what it says."""
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "docs" / "porting_torch.md").read_text()
-    ns: dict = {"__name__": "docs_porting_torch"}
-    for i, code in enumerate(re.findall(r"```python\n(.*?)```", text, flags=re.S)):
-        exec(compile(code, f"porting_torch.md[block {i}]", "exec"), ns)
-    out = capsys.readouterr().out
-    assert float(re.search(r"max difference: (\S+)", out).group(1)) < TOL
-    assert "set momentum=0.9" in out and "True False" in out and "bf16-mixed" in out
-    assert ns["baseline"] == pytest.approx(
-        float(
-            np.mean(
-                [
-                    torch.nn.functional.cross_entropy(
-                        ns["torch_model"](torch.from_numpy(x.transpose(0, 3, 1, 2))), torch.from_numpy(y)
-                    ).item()
-                    for x, y in ns["data"]
-                ]
-            )
-        ),
-        abs=1e-5,
-    )
-    assert np.asarray(ns["predictions"][0]).shape == (16, 10)
