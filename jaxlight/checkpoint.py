@@ -831,6 +831,42 @@ def _unflatten_like(template: Any, flat: Mapping[str, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [flat[_path_key(p)] for p, _ in paths])
 
 
+def _as_given(ckpt_path: str | os.PathLike, resolved: Path) -> str:
+    """Lightning's ``trainer.ckpt_path``: the path as the user gave it, so a ``last`` link stays ``last``
+    (checkpoint callbacks protect the checkpoint a run resumed from, but never a ``last`` one)."""
+    given = os.fspath(ckpt_path)
+    if given not in ("last", "best"):
+        return os.path.abspath(given)
+    if given == "last":  # found by scanning: name it by the last link that points at it, when there is one
+        for link in sorted(resolved.parent.glob("last*.ckpt")):
+            if link.is_symlink() and link.resolve() == resolved.resolve():
+                return str(link)
+    return str(resolved)
+
+
+def _load_logger_states(trainer: Trainer, ckpt: Mapping[str, Any]) -> None:
+    # Match saved logger states to this run's loggers by class, in order, so a resume with
+    # a different logger list still hands each logger its own run id.
+    pending = list(ckpt.get("loggers", []))
+    for lg in trainer.loggers:
+        match = next((s for s in pending if s.get("class") == type(lg).__qualname__), None)
+        if match is not None:
+            pending.remove(match)
+            if match.get("state"):
+                lg.load_state_dict(match["state"])
+
+
+def restore_logger_states(trainer: Trainer, ckpt_path: str | os.PathLike) -> None:
+    """Hand the trainer's loggers their saved state (run ids) from the checkpoint a fit resumes from.
+
+    Called when fit starts, before the loggers create their runs, so a resumed run keeps logging into the
+    run it started rather than creating a new one. Reads only the checkpoint's metadata.
+    """
+    path = resolve_ckpt_path(trainer, ckpt_path)
+    meta = read_meta(path)
+    _load_logger_states(trainer, host_checkpoint(meta, path))
+
+
 def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: str) -> None:
     """Load a checkpoint into a set-up trainer: arrays into its current shardings, then loop and host state.
 
@@ -891,18 +927,10 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         dm = trainer.datamodule
         if dm is not None and "datamodule" in ckpt:
             dm.load_state_dict(ckpt["datamodule"]["state"])
-        # Match saved logger states to this run's loggers by class, in order, so a resume with
-        # a different logger list still hands each logger its own run id.
-        pending = list(ckpt.get("loggers", []))
-        for lg in trainer.loggers:
-            match = next((s for s in pending if s.get("class") == type(lg).__qualname__), None)
-            if match is not None:
-                pending.remove(match)
-                if match.get("state"):
-                    lg.load_state_dict(match["state"])
+        _load_logger_states(trainer, ckpt)
     if module is not None and not fit:
         module.on_load_checkpoint(ckpt)
-    trainer.ckpt_path = str(path)
+    trainer.ckpt_path = _as_given(ckpt_path, path)
     if trainer.is_global_zero:
         print(
             f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "

@@ -41,7 +41,8 @@ def detect(
 
     Precedence: explicit arguments; ``JAX_COORDINATOR_ADDRESS`` with
     ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``; torchrun/Lightning-style
-    ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``; then the cluster
+    ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK`` (under torchrun, whose
+    agent holds ``MASTER_PORT``, the coordinator uses ``MASTER_PORT + 1``); then the cluster
     environments JAX detects itself (SLURM, Open MPI, TPU pods, Kubernetes),
     for which the fields are left None for jax to fill. Returns None for a
     plain single-process run.
@@ -57,6 +58,10 @@ def detect(
         )
     if os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE"):
         port = os.environ.get("MASTER_PORT", "29500")
+        if os.environ.get("TORCHELASTIC_RUN_ID") and port.isdigit():
+            # under torchrun the elastic agent already serves its store on MASTER_PORT: JAX's coordinator
+            # takes the next port
+            port = str(int(port) + 1)
         return ClusterSpec(
             f"{os.environ['MASTER_ADDR']}:{port}", _int_env("WORLD_SIZE"), _int_env("RANK", "NODE_RANK"), "torchrun env"
         )

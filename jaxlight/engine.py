@@ -15,7 +15,7 @@ import contextlib
 import functools
 import inspect
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -78,17 +78,22 @@ class Engine:
         self.eval_steps: dict[tuple[str, Any], Any] = {}  # compiled evaluation steps by (key, batch signature)
 
     # -- context ----------------------------------------------------------------------
-    def context(self) -> contextlib.ExitStack:
-        """The mesh, the logical rules and the pieces' trace contexts (entered to create, trace, compile)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        # Not flax's nnx.logical_axis_rules: flax reads a rules table as a rename
-        # (one mesh axis per name, no divisibility fallback, duplicates refused),
-        # so placement goes through jaxlight.strategies.resolve_spec only.
-        stack.enter_context(nnx.use_eager_sharding(False))
-        stack.enter_context(axis_rules(self.mesh, self.strategy.logical_rules))
-        stack.enter_context(self.strategy.trace_context(self.mesh))
-        return stack
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The mesh, the logical rules and the pieces' trace contexts (entered to create, trace, compile).
+
+        Everything is entered on ``with`` and left on exit, also when entering one of them fails
+        (a global mesh left set would place every later computation of the process on it).
+        """
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.set_mesh(self.mesh))
+            # Not flax's nnx.logical_axis_rules: flax reads a rules table as a rename
+            # (one mesh axis per name, no divisibility fallback, duplicates refused),
+            # so placement goes through jaxlight.strategies.resolve_spec only.
+            stack.enter_context(nnx.use_eager_sharding(False))
+            stack.enter_context(axis_rules(self.mesh, self.strategy.logical_rules))
+            stack.enter_context(self.strategy.trace_context(self.mesh))
+            yield
 
     # -- the model ------------------------------------------------------------------------
     def attach(self, module: LightningModule) -> None:

@@ -192,6 +192,7 @@ class MetricStore:
         self._acc: dict[str, tuple] = {}
         self._update_fn: Any = None
         self._update_key: tuple | None = None
+        self._sharding: Any = None  # where the epoch accumulators live
 
     def register(self, specs: Mapping[str, LogSpec]) -> None:
         for k, s in specs.items():
@@ -207,12 +208,20 @@ class MetricStore:
         epoch_keys = tuple(sorted(k for k in values if self.specs[k].on_epoch))
         if not epoch_keys:
             return
+        if self._sharding is None:
+            # every accumulator lives where the first logged value did (a compiled step's values: the mesh),
+            # so the update compiles once; values logged elsewhere (a host hook's floats) are moved there
+            self._sharding = getattr(values[epoch_keys[0]][0], "sharding", None)
+        target = self._sharding
+        if target is not None:
+            values = {
+                k: tuple(x if getattr(x, "sharding", None) == target else jax.device_put(x, target) for x in vw)
+                for k, vw in values.items()
+            }
         for k in epoch_keys:
             if k not in self._acc:
                 init = _acc_init(self.specs[k].reduce_fx)
-                sharding = getattr(values[k][0], "sharding", None)
-                # placed like the step's values, so the update compiles once rather than twice
-                self._acc[k] = jax.device_put(init, sharding) if sharding is not None else init
+                self._acc[k] = jax.device_put(init, target) if target is not None else init
         key = tuple((k, self.specs[k].reduce_fx) for k in epoch_keys)
         if key != self._update_key:
             fx = dict(key)

@@ -522,7 +522,37 @@ class LightningModule(ModelHooks, DataHooks):
 
     # -- checkpoints (wired by the checkpoint callback) ---------------------------
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str, **kwargs: Any) -> LightningModule:
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str,
+        map_location: Any = None,
+        hparams_file: str | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> LightningModule:
+        """Rebuild the module from a checkpoint's hyperparameters (``kwargs`` override them) and load its weights.
+
+        Lightning's arguments: ``map_location`` is accepted and has nothing to do (arrays land on JAX's
+        default device; a trainer places them on its mesh), ``hparams_file`` is a YAML file (read with
+        ``yaml.safe_load``) whose values override the checkpoint's hyperparameters, and ``strict`` may only
+        be True (every parameter and variable must match by name and shape; the error lists the ones that
+        do not).
+        """
         from jaxlight.checkpoint import load_module_from_checkpoint
 
+        if strict is False:
+            raise ValueError(
+                "load_from_checkpoint(strict=False) is not supported: every parameter must match by name and shape "
+                "(the error lists the ones that do not); to load part of a model, load the checkpoint into a module "
+                "that has exactly those variables, or use jaxlight.migrate.load_torch_weights(strict=False) for "
+                "torch weights"
+            )
+        if hparams_file is not None:
+            import yaml
+
+            with open(hparams_file) as f:
+                file_hp = yaml.safe_load(f) or {}
+            if not isinstance(file_hp, dict):
+                raise ValueError(f"hparams_file {hparams_file} holds a {type(file_hp).__name__}, not a mapping")
+            kwargs = {**file_hp, **kwargs}
         return load_module_from_checkpoint(cls, checkpoint_path, **kwargs)

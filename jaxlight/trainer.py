@@ -26,6 +26,7 @@ import jax
 from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.progress import TQDMProgressBar
 from jaxlight.callbacks.timer import Timer
+from jaxlight.checkpoint import find_last_checkpoint, restore_logger_states
 from jaxlight.compile_cache import configure_compile_cache
 from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
@@ -598,6 +599,8 @@ class Trainer:
             # known before configure_optimizers, so a schedule can be sized (estimated_stepping_batches)
             self.num_training_batches = train_batches(self, train_loader)
             if self.loggers and self.is_global_zero:
+                if ckpt_path is not None and (ckpt_path != "last" or find_last_checkpoint(self) is not None):
+                    restore_logger_states(self, ckpt_path)  # a resumed run keeps logging into its own runs
                 LoggerCollection(self.loggers).setup()  # a misconfigured tracker fails before any compile
             if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (strategies/auto.py)
                 chosen = self.auto_strategy.choose(self, self._devices, train_loader)
@@ -663,7 +666,7 @@ class Trainer:
             cb.wait_until_finished()
 
     def _restore(self, ckpt_path: str, stage: str) -> None:
-        from jaxlight.checkpoint import find_last_checkpoint, no_last_checkpoint_reason, restore_into_trainer
+        from jaxlight.checkpoint import no_last_checkpoint_reason, restore_into_trainer
 
         if ckpt_path == "last" and find_last_checkpoint(self) is None:
             # Lightning: not an error, so a script can always pass ckpt_path="last" (resume if there is one)

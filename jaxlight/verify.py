@@ -71,9 +71,7 @@ BUILTIN_STRATEGIES: tuple[str, ...] = (
     "sp",
     "pp",
 )
-"""What :func:`verify` runs by default (``sp`` and ``pp`` when their pieces are installed)."""
-
-_OPTIONAL_PIECES = {"sp": "jaxlight.strategies.sequence", "pp": "jaxlight.strategies.pipeline"}
+"""What :func:`verify` runs by default (a strategy that refuses the model or batch is skipped, with why)."""
 
 SAFETY = 8.0
 """Factor on the reduction-order rounding bound ``n * eps`` (covers the forward pass's own reductions,
@@ -550,15 +548,7 @@ def _strategy_list(strategies: Sequence[str | Piece | Strategy] | str | None) ->
     out: list[tuple[str, Any, bool]] = []
     for s in strategies:
         if isinstance(s, str):
-            try:
-                _ensure_pieces(s)
-                resolve_strategy(s)
-            except ValueError as e:
-                if explicit:
-                    raise
-                out.append((s, None, False))  # an optional piece that is not installed
-                del e
-                continue
+            resolve_strategy(s)  # an unknown name raises here, listing the valid ones
             out.append((s, s, explicit))
         elif isinstance(s, (Piece, Strategy)):
             st = resolve_strategy(s)
@@ -566,19 +556,6 @@ def _strategy_list(strategies: Sequence[str | Piece | Strategy] | str | None) ->
         else:
             raise TypeError(f"strategies holds {type(s).__name__}; give names ('fsdp+tp'), pieces or Strategy objects")
     return out
-
-
-def _ensure_pieces(name: str) -> None:
-    """Import the module that registers each optional word of ``name`` ('sp', 'pp') when it exists."""
-    from jaxlight.strategies.strategy import STRATEGY_REGISTRY
-
-    for word in (w.strip().lower() for w in name.split("+")):
-        mod = _OPTIONAL_PIECES.get(word)
-        if mod is not None and word not in STRATEGY_REGISTRY:
-            try:
-                importlib.import_module(mod)
-            except ImportError:
-                pass
 
 
 def _first_batches(

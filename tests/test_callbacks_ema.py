@@ -90,10 +90,12 @@ def test_ema_placement_dtype_and_validation_weights():
     # validation inside fit ran on the EMA weights, and so does validate() afterwards
     ema_sum = float(jnp.sum(avg["net/l1/kernel"].astype(jnp.float32)))
     trained_sum = float(jnp.sum(params["net/l1/kernel"].astype(jnp.float32)))
-    assert abs(ema_sum - trained_sum) > 1e-2
-    np.testing.assert_allclose(float(trainer.callback_metrics["kernel_sum"]), ema_sum, rtol=1e-2)
+    gap = abs(ema_sum - trained_sum)
+    assert gap > 0.05
+    # the logged sum is the EMA's, well inside the gap to the trained weights' (bf16 rounding is ~1e-2)
+    assert abs(float(trainer.callback_metrics["kernel_sum"]) - ema_sum) < 0.25 * gap
     out = trainer.validate(model, data, verbose=False)
-    np.testing.assert_allclose(out[0]["kernel_sum"], ema_sum, rtol=1e-2)
+    assert abs(out[0]["kernel_sum"] - ema_sum) < 0.25 * gap
 
 
 def test_ema_off_for_validation_uses_trained_weights():
@@ -113,27 +115,36 @@ def test_ema_bad_arguments():
         EMA(every_n_steps=0)
 
 
+class WorseningScore(Classifier):
+    """Logs a score that gets worse every epoch, so EarlyStopping's wait count depends on its restored state."""
+
+    def on_train_epoch_end(self):
+        self.log("score", [1.0, 2.0, 3.0][self.current_epoch])
+
+
 def test_ema_and_early_stopping_state_survive_a_resume():
-    """Stopped after epoch 1 and resumed from its checkpoint: same EMA and EarlyStopping state as one run."""
+    """Stopped after epoch 2 and resumed from its checkpoint: same EMA and EarlyStopping state as one run."""
     x, y = make_data(64)
     data = batches(x, y, 16)
 
     def run(max_epochs, ckpt_path=None):
         ema = EMA(decay=0.7)
-        es = jl.callbacks.EarlyStopping(monitor="train_loss", patience=10)
-        ckpt = jl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)
+        es = jl.callbacks.EarlyStopping(monitor="score", patience=10)
+        ckpt = jl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last="link")
         trainer = jl.Trainer(
             max_epochs=max_epochs, devices=2, callbacks=[ema, es, ckpt], **quiet(enable_checkpointing=True)
         )
-        trainer.fit(Classifier(lr=5e-2), data, ckpt_path=ckpt_path)
+        trainer.fit(WorseningScore(lr=5e-2), data, ckpt_path=ckpt_path)
         return {k: np.asarray(v) for k, v in ema.ema_params(trainer).items()}, es.state_dict()
 
-    whole, es_whole = run(2)
+    whole, es_whole = run(3)
     import shutil
 
     shutil.rmtree("ckpt")
-    run(1)
-    resumed, es_resumed = run(2, ckpt_path="last")
+    run(2)
+    resumed, es_resumed = run(3, ckpt_path="last")
     for k in whole:
         np.testing.assert_allclose(resumed[k], whole[k], atol=1e-7, err_msg=k)
-    assert es_resumed == es_whole and es_whole["best_score"] < np.inf
+    # the best score is epoch 0's and two worse epochs followed: a lost wait count would read 1 or 0 here
+    assert es_whole == {"wait_count": 2, "stopped_epoch": 0, "best_score": 1.0, "patience": 10}
+    assert es_resumed == es_whole

@@ -50,7 +50,8 @@ def test_short_fit_stops_the_trace_at_train_end(tmp_path):
     assert traced_steps(xplane) == [1, 2, 3]
     # the profiler is free again: a second fit traces again
     prof2 = ProfilerWindow(tmp_path / "p2", warmup=0, steps=2)
-    jl.Trainer(max_epochs=1, devices=1, callbacks=[prof2], **quiet()).fit(Classifier(), data)
+    # a program the persistent compile cache has not seen (the first fit cached its own), so it compiles
+    jl.Trainer(max_epochs=1, devices=1, callbacks=[prof2], **quiet()).fit(Classifier(dropout=0.25), data)
     xplane2 = glob.glob(os.path.join(prof2.trace_dir, "*.xplane.pb"))[0]
     assert traced_steps(xplane2) == [0, 1]
     # warmup=0 puts the compile in the window: the check above would see it

@@ -1,7 +1,9 @@
 """ThroughputMonitor: FLOPs from the compiled step's cost analysis, consistent rates, tokens from 2-D int batches."""
 
 import csv
+import time
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -17,8 +19,18 @@ def test_flops_match_cost_analysis_and_rates_agree():
     data = batches(*make_data(bs * 8), bs)
     mon = ThroughputMonitor(window=4, peak_flops=1e12)
     csv_logger = jl.loggers.CSVLogger("logs")
+
+    class Clock(jl.Callback):  # an independent clock: wall time between finished steps
+        def __init__(self):
+            self.t = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            jax.block_until_ready(outputs["loss"])
+            self.t.append(time.perf_counter())
+
+    clock = Clock()
     trainer = jl.Trainer(
-        max_epochs=1, devices=devices, log_every_n_steps=4, callbacks=[mon], **quiet(logger=csv_logger)
+        max_epochs=1, devices=devices, log_every_n_steps=4, callbacks=[mon, clock], **quiet(logger=csv_logger)
     )
     trainer.fit(Classifier(), data)
     cost = trainer.compiled["train"].cost_analysis()
@@ -34,6 +46,10 @@ def test_flops_match_cost_analysis_and_rates_agree():
     np.testing.assert_allclose(m["train/device/flops_per_sec"] * m["train/step_time"], cost["flops"], rtol=1e-9)
     np.testing.assert_allclose(m["train/device/mfu"], m["train/device/flops_per_sec"] / 1e12, rtol=1e-9)
     assert "train/items_per_sec" not in m  # float features: no token count
+    # the step time is a real duration: the clock's mean interval over the same last 4 steps, within a loose
+    # factor (a consistency check on a shared machine, not a speed target)
+    measured = (clock.t[-1] - clock.t[-5]) / 4
+    assert 0.25 <= m["train/step_time"] / measured <= 4, (m["train/step_time"], measured)
     with open(csv_logger.metrics_file_path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/samples_per_sec")]
     assert [int(r["step"]) for r in rows] == [3, 7]

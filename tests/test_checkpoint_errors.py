@@ -56,6 +56,13 @@ def test_load_from_checkpoint_for_inference(saved):
     m2 = DropoutClassifier.load_from_checkpoint(path, lr=0.5)
     assert m2.hparams.lr == 0.5 and m2.hparams.hidden == 16
     np.testing.assert_array_equal(np.asarray(m2.net.l1.kernel[...]), params["net/l1/kernel"])
+    # Lightning's arguments: map_location has nothing to do, hparams_file overrides (safe YAML), strict=False refused
+    with open("hp.yaml", "w") as f:
+        f.write("lr: 0.25\n")
+    m3 = DropoutClassifier.load_from_checkpoint(path, map_location="cpu", hparams_file="hp.yaml", strict=True)
+    assert m3.hparams.lr == 0.25 and m3.hparams.hidden == 16
+    with pytest.raises(ValueError, match=r"strict=False\) is not supported"):
+        DropoutClassifier.load_from_checkpoint(path, strict=False)
 
 
 def test_validate_with_ckpt_path_uses_checkpoint_weights(saved):

@@ -310,10 +310,20 @@ def test_validate_test_predict_and_resume_with_ckpt_path(tmp_path):
     assert not all(np.array_equal(a, b) for a, b in zip(trained, fresh))
     test = _cli("test", *QUIET, root, "--ckpt_path=last", "--verbose=false", save_config_callback=None)
     assert "test_acc" in test.trainer.callback_metrics
+    assert all(np.array_equal(a, b) for a, b in zip(trained, _weights(test.model)))  # tested the checkpoint
     pred = _cli("predict", *QUIET, root, save_config_callback=None)
     assert pred.trainer.num_predict_batches == 2
-    resumed = _cli("fit", *QUIET, root, "--trainer.max_steps=6", "--ckpt_path=last")
-    assert resumed.trainer.global_step == 6  # continued from step 4
+    resumed = _cli(
+        "fit",
+        *QUIET,
+        root,
+        "--trainer.max_steps=6",
+        "--ckpt_path=last",
+        "--trainer.callbacks+=tests.cli_models.RunRecorder",
+    )
+    (rec,) = [c for c in resumed.trainer.callbacks if type(c).__name__ == "RunRecorder"]
+    # continued from step 4: two more steps ran (a fresh run would have run six)
+    assert resumed.trainer.global_step == 6 and len(rec.losses) == 2
 
 
 def test_save_config_callback_refuses_to_overwrite(tmp_path):

@@ -84,10 +84,9 @@ def test_limit_val_test_predict_batches(limit, n):
     )
     assert c["val"] == n and c["sanity"] == n
     model = trainer.lightning_module
-    if n:
-        trainer.test(model, VAL, verbose=False)
-        trainer.predict(model, [b[0] for b in VAL])
-        assert (c["test"], c["predict"]) == (n, n)
+    trainer.test(model, VAL, verbose=False)
+    preds = trainer.predict(model, [b[0] for b in VAL])
+    assert (c["test"], c["predict"]) == (n, n) and len(preds) == n
 
 
 def test_max_steps_stops_mid_epoch():

@@ -225,15 +225,24 @@ def test_manual_backward_over_every_parameter_and_clip_gradients():
             loss, grads = self.manual_backward(lambda: g_loss_of(self.disc, self.gen, z))
             seen["keys"] = sorted(grads)
             clipped = self.clip_gradients(opt_g, grads, gradient_clip_val=1e-3)
-            seen["norm"] = optax.global_norm(clipped)
             opt_g.step(clipped)  # takes its own parameters out of a dict over every parameter
-            return loss
+            return {"loss": loss, "raw": optax.global_norm(grads), "clipped": optax.global_norm(clipped)}
+
+    class Norms(jl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen["raw"], seen["clipped"] = float(outputs["raw"]), float(outputs["clipped"])
 
     model = Probe()
-    trainer = jl.Trainer(max_epochs=1, devices=1, limit_train_batches=1, **quiet())
+    disc0 = jax.tree.map(np.asarray, nnx.state(Disc(nnx.Rngs(1)), nnx.Param))  # configure_model's disc
+    gen0 = jax.tree.map(np.asarray, nnx.state(Gen(nnx.Rngs(0)), nnx.Param))
+    trainer = jl.Trainer(max_epochs=1, devices=1, limit_train_batches=1, callbacks=[Norms()], **quiet())
     trainer.fit(model, gan_data())
     assert seen["keys"] == sorted(trainer.train_state.params)
-    assert isinstance(seen["norm"], jax.core.Tracer)
+    # clip_gradients really clipped (by global norm, to 1e-3) a gradient that was larger
+    assert seen["raw"] > 1e-3 and seen["clipped"] == pytest.approx(1e-3, rel=1e-4)
+    # opt_g stepped the generator only, though the gradients covered every parameter
+    assert max_diff(nnx.state(model.disc, nnx.Param), disc0) == 0.0
+    assert max_diff(nnx.state(model.gen, nnx.Param), gen0) > 0.0
 
 
 def test_resume_continues_both_optimizer_states(tmp_path):

@@ -243,13 +243,9 @@ def test_precision_and_strategy_claims():
         jl.Trainer(devices="0,1", logger=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxlight bug (reported): values self.log'ged from one host hook on a multi-device mesh, a Python "
-    "float next to a mesh-replicated jax array, reach MetricStore.update's jit on different devices. "
-    "migration.md logs float(norm) until it is fixed; then drop the float() there and this marker.",
-)
 def test_host_hook_logs_a_float_and_a_mesh_array():
+    """One host hook logs a Python float and a mesh-replicated jax array on an 8-device mesh: both reach the
+    epoch accumulators (they are moved to one placement before the update)."""
     import optax
     from flax import nnx
 

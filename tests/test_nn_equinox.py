@@ -166,11 +166,13 @@ def test_equinox_eval_uses_inference_mode_and_keeps_state(single):
     model, state = module.net.eqx_module(), module.net.eqx_state()
     preds = trainer.predict(module, [b[0] for b in batches])
     infer = eqx.nn.inference_mode(model)  # running statistics, no dropout
-    for p, (x, _) in zip(preds, batches):
+    losses = []
+    for p, (x, y) in zip(preds, batches):
         ref, _ = jax.vmap(lambda xi: infer(xi, state), axis_name="batch", out_axes=(0, None))(jnp.asarray(x))
         np.testing.assert_allclose(np.asarray(p), np.asarray(ref), atol=1e-5)
+        losses.append(float(xent(ref, jnp.asarray(y))))
     out = trainer.validate(module, batches)
-    assert np.isfinite(out[0]["val_loss"])
+    assert out[0]["val_loss"] == pytest.approx(np.mean(losses), abs=1e-5)
     assert max_diff(module.net.eqx_state(), state) == 0.0
 
 
@@ -227,6 +229,13 @@ def test_equinox_trainable_filter_freezes_leaves():
     assert "l1" not in params["model"] and "l2" in params["model"]
     buffers = nnx.state(net, jl.nn.EquinoxBuffer)
     assert set(buffers["model"]["l1"]) == {"weight", "bias"}
+    # and training leaves the frozen leaves exactly where they were while the others move
+    module = EqxClassifier(trainable=spec)
+    before = {k: np.asarray(getattr(model, k).weight) for k in ("l1", "l2")}
+    jl.Trainer(max_steps=3, devices=1, **quiet()).fit(module, data(3))
+    after = module.net.eqx_module()
+    np.testing.assert_array_equal(np.asarray(after.l1.weight), before["l1"])
+    assert np.abs(np.asarray(after.l2.weight) - before["l2"]).max() > 1e-4
 
 
 def test_equinox_whole_batch_model_and_explicit_key():

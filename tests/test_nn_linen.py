@@ -161,12 +161,14 @@ def test_linen_eval_is_read_only_and_uses_running_stats(single):
     after = jax.tree.map(np.asarray, model.net.linen_variables())
     assert max_diff(before, after) == 0.0
     variables = {"params": before["params"], "batch_stats": before["batch_stats"]}
-    for p, (x, _) in zip(preds, batches):
+    losses = []
+    for p, (x, y) in zip(preds, batches):
         ref = CNN().apply(variables, jnp.asarray(x), train=False)  # running statistics, no dropout
         np.testing.assert_allclose(np.asarray(p), np.asarray(ref), atol=1e-5)
-    # and a validation loop runs on them too, without touching the carried statistics
+        losses.append(float(xent(ref, jnp.asarray(y))))
+    # and a validation loop runs on them too (the same eval-mode loss), without touching the statistics
     out = trainer.validate(model, batches)
-    assert np.isfinite(out[0]["val_loss"])
+    assert out[0]["val_loss"] == pytest.approx(np.mean(losses), abs=1e-5)
     assert max_diff(before["batch_stats"], jax.tree.map(np.asarray, model.net.linen_variables())["batch_stats"]) == 0
 
 

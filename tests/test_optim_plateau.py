@@ -25,6 +25,11 @@ class _Monitored(EagerClassifier):
 
     returned = None  # a function returning configure_optimizers' answer (set per test)
 
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_const", jnp.float32(1.0))  # a training metric that never improves
+        return loss
+
     def validation_step(self, batch, batch_idx):
         super().validation_step(batch, batch_idx)
         self.log("val_const", jnp.float32(1.0))
@@ -116,13 +121,15 @@ def test_step_interval_plateau_steps_after_every_second_batch():
 
     returned = lambda: {
         "optimizer": optax.sgd(LR),
-        "lr_scheduler": {"scheduler": plateau(), "monitor": "train_loss", "interval": "step", "frequency": 2},
+        "lr_scheduler": {"scheduler": plateau(), "monitor": "train_const", "interval": "step", "frequency": 2},
     }
     model = Monitored(returned)
     trainer = jl.Trainer(max_epochs=2, devices=1, callbacks=[Rec()], **quiet())
     trainer.fit(model, DATA)
-    fed = [losses[i] for i in range(len(losses)) if (i % len(DATA) + 1) % 2 == 0]
+    # the stalled metric is fed after every second batch: the plateau really cuts the rate on the way
+    fed = [1.0 for i in range(len(losses)) if (i % len(DATA) + 1) % 2 == 0]
     scales = host_scales(fed)
+    assert min(scales) < 1
     # batch i trains with the scale reached after the plateau steps of batches before it
     per_batch = [scales[i // 2] for i in range(len(losses))]
     ref = sgd_with_scales([(s, [DATA[i % len(DATA)]]) for i, s in enumerate(per_batch)])

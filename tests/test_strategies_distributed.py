@@ -17,6 +17,7 @@ _VARS = (
     "WORLD_SIZE",
     "RANK",
     "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
     "SLURM_JOB_ID",
     "SLURM_NTASKS",
     "SLURM_PROCID",
@@ -54,6 +55,9 @@ def test_reads_torchrun_env(clean_env):
     clean_env.setenv("RANK", "1")
     spec = detect()
     assert tuple(spec)[:3] == ("node0:29400", 2, 1) and spec.source == "torchrun env"
+    # under torchrun itself its agent serves MASTER_PORT: JAX's coordinator takes the next one
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert detect().coordinator_address == "node0:29401"
 
 
 def test_arguments_win_over_env(clean_env):

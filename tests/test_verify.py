@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-import jaxlight as jl
 from jaxlight.errors import MisconfigurationError
 from jaxlight.strategies.auto import hlo_collectives
 from jaxlight.verify import BUILTIN_STRATEGIES, verify
@@ -28,17 +27,6 @@ from tests.verify_models import CenteredLM, ForgetfulLM, batches
 VERIFY = importlib.import_module("jaxlight.verify")  # the module (jaxlight.verify may name the function)
 MODELS = Path(__file__).resolve().parent / "verify_models.py"
 ROOT = MODELS.parent.parent
-
-
-def _installed(name: str) -> bool:
-    try:
-        from jaxlight.verify import _ensure_pieces
-
-        _ensure_pieces(name)
-        jl.strategies.resolve_strategy(name)
-        return True
-    except ValueError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +38,10 @@ def test_every_builtin_strategy_matches_one_device(correct):
     report = correct
     ref, *rows = report.results
     assert ref.status == "ref" and ref.mesh == "1 device"
-    expected = [s for s in BUILTIN_STRATEGIES if _installed(s)]
-    assert {"ddp", "fsdp", "tp", "fsdp+tp", "fsdp+offload"} <= set(expected)
-    assert [r.name for r in rows if r.status != "skipped"] == expected
+    expected = list(BUILTIN_STRATEGIES)  # sp and pp included: their pieces ship with jaxlight
+    assert {"ddp", "fsdp", "tp", "fsdp+tp", "fsdp+offload", "sp", "pp"} <= set(expected)
+    assert [r.name for r in rows] == expected  # every built-in strategy ran: none was skipped
     for r in rows:
-        if r.status == "skipped":
-            assert r.name not in expected
-            continue
         assert r.status == "ok", (r.name, r.reason, r.leaves[:3])
         assert 0 <= r.worst_ratio < 1
         assert r.mesh != "1 device" and math.prod(int(a.split("=")[1]) for a in r.mesh.split(",")) == 8
@@ -131,13 +116,11 @@ def test_strategies_that_do_not_apply_are_skipped_or_errors(monkeypatch):
     report = verify(flat, batches(), steps=1, print_report=False)
     rows = {r.name: r for r in report.results}
     assert rows["ddp"].status == "ok" and report.ok
-    if _installed("pp"):
-        assert rows["pp"].status == "skipped" and "LayerStack" in rows["pp"].reason
+    assert rows["pp"].status == "skipped" and "LayerStack" in rows["pp"].reason
     # asked for by name, a strategy that refuses the batch is an error: 9 positions do not split 8 ways
     report = verify(CenteredLM, batches(length=9), strategies="ddp,sp", steps=1, print_report=False)
     rows = {r.name: r for r in report.results}
-    if _installed("sp"):
-        assert rows["sp"].status == "error" and "9" in rows["sp"].reason and not report.ok
+    assert rows["sp"].status == "error" and "9" in rows["sp"].reason and not report.ok
 
 
 def test_bad_input_is_refused_with_the_numbers():

@@ -868,18 +868,22 @@ class ModelCheckpoint(Callback):
             self._remove_checkpoint(trainer, previous)
 
     def _resume_path(self, trainer: Trainer) -> str:
+        """The checkpoint the run resumed from, as given (a ``last`` link is not followed, as in Lightning)."""
         p = trainer.ckpt_path
-        return os.path.realpath(p) if isinstance(p, (str, os.PathLike)) and os.path.exists(p) else ""
+        return os.path.abspath(p) if isinstance(p, (str, os.PathLike)) else ""
 
     def _in_dirpath(self, path: str) -> bool:
         return self.dirpath is not None and os.path.dirname(os.path.abspath(path)) == self.dirpath
 
     def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
-        """Lightning's rule: never the file just written, one outside ``dirpath``, or the one resumed from."""
+        """Lightning's rule: never the file just written, one outside ``dirpath``, or the one resumed from
+        (unless that was a ``last`` checkpoint, which later saves replace)."""
         if previous == current or not self._in_dirpath(previous):
             return False
         resume = self._resume_path(trainer)
-        return not (resume and os.path.realpath(previous) == resume)
+        if not resume or os.path.basename(resume).startswith(self.CHECKPOINT_NAME_LAST):
+            return True
+        return os.path.abspath(previous) != resume
 
     # ------------------------------------------------------------------ recording a trigger's decisions
     def _begin(self) -> None:
