@@ -56,6 +56,7 @@ same way, so both frameworks' overheads stand side by side.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -74,8 +75,8 @@ import jaxlight as jl
 class HandLoop:
     """The baseline: ``jax.jit`` over value_and_grad + optax, params/opt state donated."""
 
-    def __init__(self, seed: int = 0) -> None:
-        net = build_model(REFERENCE, seed)
+    def __init__(self, seed: int = 0, cfg=REFERENCE) -> None:
+        net = build_model(cfg, seed)
         self.graphdef, self.params, self.rest = nnx.split(net, nnx.Param, ...)
         tx = optax.adamw(LEARNING_RATE)
         self.opt_state = tx.init(self.params)
@@ -266,7 +267,9 @@ class EpochAlternate:
         self.epoch += 1
 
 
-def tiny_jaxlight(rounds: int, steps: int, root: str) -> tuple[list[float], list[float], jl.Trainer]:
+def tiny_jaxlight(
+    rounds: int, steps: int, root: str, prefetch: int | None = None
+) -> tuple[list[float], list[float], jl.Trainer]:
     batches = tiny_batches(steps)
     hand = TinyHand()
     hand.run(batches[:2])  # compile the baseline
@@ -283,7 +286,8 @@ def tiny_jaxlight(rounds: int, steps: int, root: str) -> tuple[list[float], list
 
     cb = Cb()
     # every default on: progress bar, ModelCheckpoint (one save per epoch), preemption, CSV logger
-    trainer = jl.Trainer(max_epochs=rounds + 1, devices=1, callbacks=[cb], default_root_dir=root)
+    extra = {} if prefetch is None else {"prefetch": prefetch}
+    trainer = jl.Trainer(max_epochs=rounds + 1, devices=1, callbacks=[cb], default_root_dir=root, **extra)
     trainer.fit(TinyModule(), train_dataloaders=batches)
     return cb.framework_ms, cb.baseline_ms, trainer
 
@@ -370,7 +374,7 @@ def tiny(args) -> None:
     med = statistics.median
     rows = []
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stderr(io.StringIO()):
-        fw, base, trainer = tiny_jaxlight(args.rounds, args.tiny_steps, root)
+        fw, base, trainer = tiny_jaxlight(args.rounds, args.tiny_steps, root, args.prefetch)
         rows.append(("jaxlight.Trainer", "jax.jit + optax", fw, base))
         if trainer.compile_counts["train"] != 1:
             raise RuntimeError(f"the trainer compiled {trainer.compile_counts['train']} times; expected 1")
@@ -395,6 +399,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="per-step host overhead on a tiny MLP (see the docstring)")
     p.add_argument("--tiny-steps", type=int, default=400, help="steps per round in --tiny mode")
     p.add_argument("--no-lightning", action="store_true", help="--tiny without the PyTorch Lightning rows")
+    p.add_argument("--prefetch", type=int, default=None, help="Trainer(prefetch=N); 0 reads batches inline")
+    p.add_argument("--scan", action="store_true", help="the reference model with its blocks as a scanned LayerStack")
     p.add_argument("--rounds", type=int, default=12, help="trainer/hand segment pairs")
     p.add_argument("--steps", type=int, default=6, help="steps per segment")
     p.add_argument("--warmup", type=int, default=3, help="untimed trainer steps (compile) before the first round")
@@ -408,15 +414,18 @@ def main() -> None:
 
     total = args.warmup + args.rounds * args.steps
     batches = make_batches(total, BATCH_SIZE, REFERENCE.seq_len, seed=0)
-    hand = HandLoop(seed=0)
+    cfg = dataclasses.replace(REFERENCE, scan_layers=True) if args.scan else REFERENCE
+    hand = HandLoop(seed=0, cfg=cfg)
     alt = Alternate(hand, batches, args.warmup, args.steps)
-    trainer = bench_trainer(max_steps=total, callbacks=[alt])
+    extra = {} if args.prefetch is None else {"prefetch": args.prefetch}
+    trainer = bench_trainer(max_steps=total, callbacks=[alt], **extra)
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind} x{trainer.num_devices}; reference workload "
         f"d={REFERENCE.d_model} L={REFERENCE.n_layers} H={REFERENCE.n_heads} T={REFERENCE.seq_len} "
-        f"B={BATCH_SIZE}; {args.rounds} rounds x {args.steps} steps, alternating"
+        f"B={BATCH_SIZE}, blocks {'scanned (LayerStack)' if cfg.scan_layers else 'unrolled'}; "
+        f"{args.rounds} rounds x {args.steps} steps, alternating"
     )
-    trainer.fit(LMModule(), train_dataloaders=batches)
+    trainer.fit(LMModule(cfg), train_dataloaders=batches)
     if trainer.compile_counts["train"] != 1:
         raise RuntimeError(f"the trainer compiled its step {trainer.compile_counts['train']} times; expected 1")
 

@@ -61,6 +61,30 @@ def host_batch(batch: Any) -> Any:
     return jax.tree.map(to_numpy, batch, is_leaf=lambda x: type(x).__module__.startswith("torch"))
 
 
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def flat_host_batch(batch: Any) -> tuple[list[Any], Any, int | None]:
+    """``(leaves, treedef, rows)`` of a loader's batch: leaves as numpy/jax arrays, and the rows they share.
+
+    The per-batch fast path of the prefetcher (one flatten, no key paths); ``rows`` is None when the
+    leaves are not all arrays with one leading dim, and :func:`batch_rows` then says what is wrong.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(batch, is_leaf=_is_torch)
+    leaves = [to_numpy(x) for x in leaves]
+    rows = None
+    for leaf in leaves:
+        shape = getattr(leaf, "shape", None)
+        if not _is_array(leaf) or not shape:
+            return leaves, treedef, None
+        if rows is None:
+            rows = shape[0]
+        elif shape[0] != rows:
+            return leaves, treedef, None
+    return leaves, treedef, rows
+
+
 def batch_rows(batch: Any, index: int | None = None) -> int:
     """Number of rows of a batch; raises when leading dims disagree."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
@@ -162,6 +186,7 @@ class BatchPlacer:
         self.partition = data_partition(mesh) if self.multiprocess else DataPartition(0, 1, 1, 0)
         self._rows_spec = batch_spec(mesh, 1)
         self._shardings: dict[tuple[str, tuple[int, ...]], NamedSharding] = {}
+        self._flat: dict[tuple, list[NamedSharding]] = {}  # batch signature -> every leaf's sharding
 
     def sharding(self, ndim: int) -> NamedSharding:
         """Rows over the batch axes, other dims whole (what a leaf gets when no piece splits it)."""
@@ -222,6 +247,22 @@ class BatchPlacer:
             shape = tuple(x.shape)
             out[leaf_path(p)] = (self.global_rows(shape[0]), *shape[1:]) if shape else shape
         return out
+
+    def place_flat(self, leaves: list[Any], treedef: Any) -> Any:
+        """:meth:`place` for an already flattened host batch: the per-step fast path.
+
+        Shardings are looked up once per batch signature (structure, shapes, dtypes) and every leaf is
+        transferred by one batched ``jax.device_put``.
+        """
+        if self.multiprocess:
+            return self.place(jax.tree_util.tree_unflatten(treedef, leaves))
+        key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        shardings = self._flat.get(key)
+        if shardings is None:
+            tree = jax.tree_util.tree_unflatten(treedef, leaves)
+            paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+            shardings = self._flat[key] = [self.leaf_sharding(path, tuple(x.shape)) for path, x in zip(paths, leaves)]
+        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, shardings))
 
     def place(self, batch: Any) -> Any:
         def put(path, x):
@@ -302,7 +343,8 @@ def batch_mask(batch: Any = None) -> jax.Array:
 
 
 class Prefetcher:
-    """Reads, checks and places the next ``depth`` batches on a background thread.
+    """Reads, checks and places the next ``depth`` batches on a background thread (``depth=0``: inline,
+    each batch when the loop asks for it).
 
     The transfer of batch i+1 runs while step i computes. ``loader_state``
     records the loader's own state after each batch, so a checkpoint saved
@@ -342,48 +384,59 @@ class Prefetcher:
         self.stage = stage
         self.expected_rows = expected_rows
         self.dropped = 0
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        self._inline: Iterator[Prefetched] | None = None
+        self._thread: threading.Thread | None = None
+        if depth <= 0:  # no thread: each batch is read and placed when the loop asks for it
+            self._inline = self._produce()
+            return
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, name=f"jaxlight-prefetch-{stage}", daemon=True)
         self._thread.start()
 
+    def _produce(self) -> Iterator[Prefetched]:
+        """Read, check and place batches, in order (run on the background thread, or inline)."""
+        has_state = hasattr(self.loader, "state_dict") and callable(self.loader.state_dict)
+        it = self._open()
+        i = self.start
+        while not self._stop.is_set():
+            if self.limit is not None and i >= self.limit:
+                break
+            try:
+                raw = next(it)
+            except StopIteration:
+                break
+            state = self._loader_state() if has_state else None
+            leaves, treedef, rows = flat_host_batch(raw)
+            if rows is None:  # not all arrays with one leading dim: say which leaf is wrong
+                rows = batch_rows(jax.tree_util.tree_unflatten(treedef, leaves), i)
+            if self.pad:
+                hb, valid = self._padded(jax.tree_util.tree_unflatten(treedef, leaves), rows, i)
+                grows = self.placer.global_rows(int(jax.tree.leaves(hb)[0].shape[0]))
+                self.placer.check(grows, i)
+                yield Prefetched(i, self.placer.place(hb), grows, state, valid)
+                i += 1
+                continue
+            grows = self.placer.global_rows(rows)
+            if self.expected_rows is None:
+                self.expected_rows = grows
+            if grows != self.expected_rows:
+                if self.drop_ragged:
+                    self.dropped += 1
+                    continue
+                raise BatchError(
+                    f"{self.stage} batch {i} has {grows} rows but the first had {self.expected_rows}; "
+                    f"the step is compiled for one shape. Drop the ragged batch in the loader "
+                    f"(DataLoader(drop_last=True)) or pass Trainer(ragged_batches='drop')"
+                )
+            self.placer.check(grows, i)
+            yield Prefetched(i, self.placer.place_flat(leaves, treedef), grows, state)
+            i += 1
+
     def _run(self) -> None:
         try:
-            has_state = hasattr(self.loader, "state_dict") and callable(self.loader.state_dict)
-            it = self._open()
-            i = self.start
-            while not self._stop.is_set():
-                if self.limit is not None and i >= self.limit:
-                    break
-                try:
-                    raw = next(it)
-                except StopIteration:
-                    break
-                state = self._loader_state() if has_state else None
-                hb = host_batch(raw)
-                rows = batch_rows(hb, i)
-                if self.pad:
-                    hb, valid = self._padded(hb, rows, i)
-                    grows = self.placer.global_rows(int(jax.tree.leaves(hb)[0].shape[0]))
-                    self.placer.check(grows, i)
-                    self._put(Prefetched(i, self.placer.place(hb), grows, state, valid))
-                    i += 1
-                    continue
-                grows = self.placer.global_rows(rows)
-                if self.expected_rows is None:
-                    self.expected_rows = grows
-                if grows != self.expected_rows:
-                    if self.drop_ragged:
-                        self.dropped += 1
-                        continue
-                    raise BatchError(
-                        f"{self.stage} batch {i} has {grows} rows but the first had {self.expected_rows}; "
-                        f"the step is compiled for one shape. Drop the ragged batch in the loader "
-                        f"(DataLoader(drop_last=True)) or pass Trainer(ragged_batches='drop')"
-                    )
-                self.placer.check(grows, i)
-                self._put(Prefetched(i, self.placer.place(hb), grows, state))
-                i += 1
+            for item in self._produce():
+                self._put(item)
         except BaseException as e:  # surfaced on the consumer side
             self._put(e)
             return
@@ -457,6 +510,8 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Prefetched:
+        if self._inline is not None:
+            return next(self._inline)
         item = self._q.get()
         if item is self._END:
             raise StopIteration
@@ -466,6 +521,10 @@ class Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread is None:
+            if self._inline is not None:
+                self._inline.close()
+            return
         try:
             while True:
                 self._q.get_nowait()

@@ -25,12 +25,27 @@ from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
 
-RUN_AHEAD = 2
-"""Steps the host may dispatch ahead of the device before it waits for the oldest one."""
+_FLUSH, _NO_FLUSH = np.bool_(True), np.bool_(False)
+_INDEX_CACHE: list[np.ndarray] = []
+
+
+def step_index(i: int) -> np.ndarray:
+    """``batch_idx`` as the int32 scalar the compiled steps take, made once per index (not per step)."""
+    if i >= 1 << 16:  # bounded: an endless loader's indices are made on the fly
+        return np.int32(i)
+    while len(_INDEX_CACHE) <= i:
+        _INDEX_CACHE.append(np.int32(len(_INDEX_CACHE)))
+    return _INDEX_CACHE[i]
+
+
+RUN_AHEAD = 4
+"""Steps the host may dispatch ahead of the device before it waits for the oldest one. Deep enough that
+the device never idles between steps (measured: with 2, the reference workload ran 1% slower than a plain
+jit loop on XLA:CPU; with 4, 0.1%), shallow enough to bound memory and how late a stop takes effect."""
 
 
 class RunAhead:
-    """Bounds how far the host runs ahead of the device (one wait per step, on a step two behind)."""
+    """Bounds how far the host runs ahead of the device (one wait per step, on the step ``depth`` behind)."""
 
     def __init__(self, depth: int = RUN_AHEAD) -> None:
         self.depth = depth
@@ -416,13 +431,13 @@ class FitLoop:
                         break
                     is_last = t.num_training_batches != math.inf and idx + 1 >= t.num_training_batches
                     # Lightning steps on a partial accumulation window at the epoch's last batch
-                    flush = np.bool_(k > 1 and is_last)
+                    flush = _FLUSH if k > 1 and is_last else _NO_FLUSH
                     compiled = engine.compiled.get("train")
                     if compiled is None:
                         engine.batch_rows["train"] = item.rows
-                        compiled = engine.compile("train", engine.train_state, batch, np.int32(idx), flush)
+                        compiled = engine.compile("train", engine.train_state, batch, step_index(idx), flush)
                         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
-                    engine.train_state, outputs, logs = compiled(engine.train_state, batch, np.int32(idx), flush)
+                    engine.train_state, outputs, logs = compiled(engine.train_state, batch, step_index(idx), flush)
                     ahead.push(outputs["loss"])
                     stepped = pos.advance(idx, item.loader_state, k, bool(flush))
                     total_batches += 1
@@ -440,7 +455,7 @@ class FitLoop:
                         exhausted = idx + 1 >= t.num_training_batches
                         break
             finally:
-                fetcher.close()  # the run-ahead bound spans epochs: one wait per step, two steps behind
+                fetcher.close()  # the run-ahead bound spans epochs: one wait per step, RUN_AHEAD steps behind
             pos.epoch_finished = exhausted
             if (
                 self.validation_enabled(val_loaders)

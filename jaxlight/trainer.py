@@ -99,7 +99,7 @@ class Trainer:
     Arguments keep PyTorch Lightning's names and meanings. Guarantees: one
     compilation of the train step per fit and one per eval stage; the train
     state is donated (updated in place); no host sync per step beyond a
-    bounded run-ahead of two steps, with logged values fetched only every
+    bounded run-ahead of four steps, with logged values fetched only every
     ``log_every_n_steps`` and at epoch end; bad arguments raise before any
     work starts, with the numbers.
     """
@@ -175,6 +175,11 @@ class Trainer:
         self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
         self.ragged_batches = ragged_batches
         self.process_local_batches = process_local_batches
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise MisconfigurationError(
+                f"prefetch must be an int >= 0 (batches read ahead on a background thread; 0 reads them inline), "
+                f"got {prefetch!r}"
+            )
         self.prefetch = prefetch
         self.compile_cache = configure_compile_cache(compile_cache)
         self.deterministic = bool(deterministic)
@@ -469,13 +474,16 @@ class Trainer:
             cbs, mod = table
         if callbacks is not None:
             cbs = [c for c in callbacks if c in cbs or table is None]
+        run_module = module and mod and self.lightning_module is not None
+        if not cbs and not run_module:
+            return None  # nothing implements it: no bookkeeping (the train loop asks twice per step)
         reporter = self.reporter
         result = None
         with reporter.in_hook(hook):
             for cb in cbs:
                 getattr(cb, hook)(self, self.lightning_module, *args)
                 reporter.flush_host_logs()
-            if module and mod and self.lightning_module is not None:
+            if run_module:
                 result = getattr(self.lightning_module, hook)(*args)
                 reporter.flush_host_logs()
         return result

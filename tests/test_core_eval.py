@@ -101,8 +101,10 @@ def test_train_state_is_donated():
 
 def test_no_host_sync_per_step(monkeypatch):
     """Between logging points a fit never reads a device array on the host (every fetch goes through
-    ArrayImpl._value); the run-ahead only blocks, len(steps) - 2 times. (jax's transfer guard does not
+    ArrayImpl._value); the run-ahead only blocks, len(steps) - RUN_AHEAD times. (jax's transfer guard does not
     guard the CPU backend, hence the patch.)"""
+    from jaxlight.loops import RUN_AHEAD
+
     from jax._src.array import ArrayImpl
 
     fetches, waits, at_batch = [], [], []
@@ -120,7 +122,7 @@ def test_no_host_sync_per_step(monkeypatch):
     assert trainer.global_step == 16
     # nothing fetched during an epoch; at most the prog-bar value once at each epoch end
     assert at_batch == [0] * 8 + [at_batch[8]] * 8 and len(fetches) <= 2
-    assert len(waits) == 16 - 2
+    assert len(waits) == 16 - RUN_AHEAD
     # the counter is real: with a log step due every 2 steps, the logged loss is fetched at those steps
     at_batch.clear()
     fetches.clear()

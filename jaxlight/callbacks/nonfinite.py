@@ -33,9 +33,9 @@ class NonFiniteGuard(Callback):
     contributes a zero gradient to its window instead, so update boundaries
     stay aligned with ``global_step``; ``self.skipped`` lists them. Either way nothing continues
     silently. The values are read after the trainer's bounded run-ahead wait
-    has already synced their step (at most two steps behind the host), and
+    has already synced their step (at most ``jaxlight.loops.RUN_AHEAD`` = 4 steps behind the host), and
     the last steps are checked at epoch and train end, so a stop happens at
-    most two steps after the bad one but always reports that exact step.
+    most that many steps after the bad one but always reports that exact step.
     The gradient norm is also returned in the step outputs as
     ``"grad_norm"``.
     """

@@ -76,7 +76,7 @@ class ThroughputMonitor(Callback):
     is known (``peak_flops``, or a table of common GPUs/TPUs by
     ``device_kind``). Timing uses host timestamps after the trainer's bounded
     run-ahead wait, so there is no extra device sync: over a window of ``n``
-    steps the error is at most the two in-flight steps. Time spent in
+    steps the error is at most the in-flight steps (``jaxlight.loops.RUN_AHEAD``). Time spent in
     validation inside ``fit`` is left out. ``batch_size_fn`` and
     ``length_fn`` get the batch (global arrays) and should read shapes;
     returning a device scalar is allowed and is only fetched at logging time.
@@ -133,7 +133,7 @@ class ThroughputMonitor(Callback):
             self._val_start = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # After the trainer's run-ahead wait: the host is at most two steps ahead of the device here.
+        # After the trainer's run-ahead wait: the host is at most RUN_AHEAD steps ahead of the device here.
         self._times.append(time.perf_counter() - self._paused)
         self._samples.append(self.batch_size_fn(batch))
         self._items.append(self.length_fn(batch))
