@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxlight import serialization
+from jaxlight.imports import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.module import LightningModule
@@ -627,9 +628,11 @@ def _incomplete(dirpath: str | os.PathLike) -> list[Path]:
 
 
 def _search_dirs(trainer: Trainer) -> list[Path]:
+    from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
+
     dirs: list[Path] = []
     for cb in trainer.checkpoint_callbacks:
-        dp = getattr(cb, "dirpath", None)
+        dp = cb.dirpath if isinstance(cb, ModelCheckpoint) else None
         if dp:
             dirs.append(Path(dp))
             # With a versioned logger each run writes to a new version_N directory;
@@ -703,8 +706,10 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str | os.PathLike) -> Path:
             )
         return found
     if ckpt_path == "best":
+        from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
+
         for cb in trainer.checkpoint_callbacks:
-            if getattr(cb, "best_model_path", ""):
+            if isinstance(cb, ModelCheckpoint) and cb.best_model_path:
                 return _check_path(cb.best_model_path)
         last = find_last(_search_dirs(trainer))
         if last is not None:
@@ -931,11 +936,10 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
     if module is not None and not fit:
         module.on_load_checkpoint(ckpt)
     trainer.ckpt_path = _as_given(ckpt_path, path)
-    if trainer.is_global_zero:
-        print(
-            f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
-            f"epoch {meta.get('epoch')})"
-        )
+    rank_zero_info(
+        f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
+        f"epoch {meta.get('epoch')})"
+    )
 
 
 def load_module_from_checkpoint(

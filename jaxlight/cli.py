@@ -184,12 +184,11 @@ def _parser_class() -> type:
     global _PARSER_CLASS
     if _PARSER_CLASS is not None:
         return _PARSER_CLASS
-    try:
-        import jsonargparse
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ModuleNotFoundError(
-            'LightningCLI needs jsonargparse: pip install "jaxlight[cli]" (jsonargparse[signatures]>=4.46)'
-        ) from e
+    from jaxlight.imports import require
+
+    require("jsonargparse", "LightningCLI")  # missing or too old: one message with the pip command
+    import jsonargparse
+
     from jaxlight.strategies import Piece
 
     # Strategy pieces are frozen dataclasses, which jsonargparse treats as closed types unless told

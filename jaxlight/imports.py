@@ -47,6 +47,8 @@ INTEGRATIONS: dict[str, Integration] = {
     "jsonargparse": Integration(("jsonargparse>=4.46",), "cli"),
     "matplotlib": Integration(("matplotlib>=3.8",), "plot"),
     "pillow": Integration(("pillow>=9.1",), "plot"),  # image artifacts; a dependency of matplotlib
+    "equinox": Integration(("equinox>=0.11",), "equinox"),
+    "safetensors": Integration(("safetensors>=0.4",), "torch"),
 }
 
 _checked: dict[str, bool] = {}

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxlight.data import BatchError, BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
 from jaxlight.errors import MisconfigurationError
+from jaxlight.imports import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -399,8 +400,8 @@ class FitLoop:
             return
         t.training = True
         k = t.accumulate_grad_batches
-        if t.num_training_batches == math.inf and k > 1 and t.is_global_zero:
-            print(
+        if t.num_training_batches == math.inf and k > 1:
+            rank_zero_info(
                 f"jaxlight: the train loader has no length, so an epoch's last batch is not known in advance: "
                 f"with accumulate_grad_batches={k} a partial window at an epoch's end carries into the next "
                 f"epoch's first update (with a length, it steps at the epoch's end, as Lightning does)"

@@ -52,6 +52,8 @@ import ml_dtypes  # also registers bfloat16 & co. with numpy, so safetensors can
 import numpy as np
 from flax import nnx
 
+from jaxlight.imports import require
+
 Mapping_ = Mapping[str, str | None] | Callable[[str], str | None]
 
 
@@ -601,13 +603,8 @@ def _to_numpy(v: Any, what: str) -> np.ndarray:
 
 class _SafetensorsSource(_Source):
     def __init__(self, path: str) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError as e:
-            raise ModuleNotFoundError(
-                f"reading {path} needs the safetensors package (no torch required): pip install safetensors",
-                name="safetensors",
-            ) from e
+        require("safetensors", f"reading {path}")
+        from safetensors import safe_open
 
         self.path = path
         try:

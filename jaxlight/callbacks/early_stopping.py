@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.imports import rank_zero_info, rank_zero_warn
 
 
 class EarlyStopping(Callback):
@@ -114,7 +115,7 @@ class EarlyStopping(Callback):
             if self.strict:
                 raise RuntimeError(msg)
             if self.verbose:
-                print(f"warning: {msg}")
+                rank_zero_warn(msg)
             return False
         return True
 
@@ -127,8 +128,11 @@ class EarlyStopping(Callback):
         trainer.should_stop = trainer.should_stop or should_stop
         if should_stop:
             self.stopped_epoch = trainer.current_epoch
-        if reason and self.verbose and (trainer.is_global_zero or not self.log_rank_zero_only):
-            print(reason)
+        if reason and self.verbose:
+            if self.log_rank_zero_only:
+                rank_zero_info(reason)
+            else:  # Lightning prefixes every process's message with its rank
+                print(f"[rank: {trainer.global_rank}] {reason}", flush=True)
 
     def _evaluate_stopping_criteria(self, current: float) -> tuple[bool, str | None]:
         should_stop, reason = False, None

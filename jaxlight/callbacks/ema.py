@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.imports import rank_zero_warn
 from jaxlight.step import StepExtension
 
 
@@ -111,4 +112,4 @@ class EMA(Callback):
         mine = {"decay": self.decay, "warmup": self.warmup, "every_n_steps": self.every_n_steps}
         changed = {k: (v, mine[k]) for k, v in saved.items() if v != mine[k]}
         if changed:
-            print(f"EMA: the checkpoint's average was made with {saved}; continuing with {mine}")
+            rank_zero_warn(f"EMA: the checkpoint's average was made with {saved}; continuing with {mine}")

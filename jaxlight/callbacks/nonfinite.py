@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.imports import rank_zero_warn
 
 
 class NonFiniteError(FloatingPointError):
@@ -93,7 +94,7 @@ class NonFiniteGuard(Callback):
             if self.action == "skip":
                 self.skipped.append(step)
                 if self.verbose:
-                    print(
+                    rank_zero_warn(
                         f"NonFiniteGuard: non-finite {what} at step {step} (epoch {epoch}, batch {idx}); "
                         f"the update was skipped"
                     )

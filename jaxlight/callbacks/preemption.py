@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.imports import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
@@ -81,8 +82,8 @@ class Preemption(Callback):
         # namespace agrees across processes, and a key left by an earlier fit is never reused.
         self._ns = f"jaxlight/preempt/{next(_FIT_COUNTER)}"
         if threading.current_thread() is not threading.main_thread():
-            if trainer.is_global_zero and self.verbose:
-                print("jaxlight: Preemption handler not installed (fit is not running in the main thread)")
+            if self.verbose:
+                rank_zero_info("jaxlight: Preemption handler not installed (fit is not running in the main thread)")
             return
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
@@ -161,10 +162,10 @@ class Preemption(Callback):
             path = ckpt_cbs[0].save_now(trainer, reason="preemption")
         for cb in trainer.checkpoint_callbacks:  # other checkpoint callbacks finish what they started
             cb.wait_until_finished()
-        if trainer.is_global_zero and self.verbose:
+        if self.verbose:
             name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
             where = f"checkpoint written to {path}" if path else "no checkpoint written (checkpointing is disabled)"
-            print(
+            rank_zero_info(
                 f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
                 f"(epoch {trainer.current_epoch}, batch {trainer.position.batches_in_epoch}); {where}. "
                 f"Run again with ckpt_path='last' to resume."

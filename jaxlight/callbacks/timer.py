@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.imports import rank_zero_info
 
 
 def parse_duration(duration: Any) -> timedelta:
@@ -67,8 +68,8 @@ class Timer(Callback):
 
     def _check(self, trainer) -> None:
         if self.duration is not None and self.time_elapsed() >= self.duration.total_seconds():
-            if not trainer.should_stop and self.verbose and trainer.is_global_zero:
-                print(f"Time limit reached ({self.duration}); signaling Trainer to stop.")
+            if not trainer.should_stop and self.verbose:
+                rank_zero_info(f"Time limit reached ({self.duration}); signaling Trainer to stop.")
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

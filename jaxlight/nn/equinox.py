@@ -107,6 +107,9 @@ class EquinoxModule(nnx.Module):
         trainable: Any = None,
         logical_axes: Mapping[str, Sequence[str | None]] | None = None,
     ) -> None:
+        from jaxlight.imports import require
+
+        require("equinox", "jaxlight.nn.from_equinox")
         import equinox as eqx
 
         if not isinstance(model, eqx.Module):

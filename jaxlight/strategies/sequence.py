@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.imports import rank_zero_info
 from jaxlight.nn.attention import attention_context, blockwise_attention, local_attention, make_plan
 from jaxlight.strategies.strategy import FILL, FrozenDict, Piece, check_axis_size, register_strategy
 
@@ -337,7 +338,7 @@ class _traced:
             if log.hasHandlers():
                 log.info(msg)
             else:
-                print(msg)
+                rank_zero_info(msg)
 
 
 # ----------------------------------------------------------------------------- zig-zag reorder
