@@ -40,6 +40,15 @@ def shard_bytes(tree, shardings) -> int:
     return total
 
 
+def print_table(table: list[tuple[str, ...]]) -> None:
+    """Left-aligned columns, a rule under the header row."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for i, r in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
 def compile_step(strategy, dims: dict, batch: int, seq: int):
     """The trainer's placement of the LM's state and its train step, compiled on abstract inputs."""
     trainer = jl.Trainer(
@@ -121,11 +130,7 @@ def main() -> None:
                 f"{secs:.1f}",
             )
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(hdr))]
-    for i, r in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(table)
     print(
         "collective counts are ops in the compiled HLO (a tuple all-reduce of many gradients counts once); "
         "XLA:CPU emits FSDP's gradient reduce-scatter as all-reduce + dynamic-slice"
@@ -201,11 +206,7 @@ def offload_table(args) -> None:
                     f"{ms / ref:.2f}x",
                 )
             )
-    widths = [max(len(r[i]) for r in table) for i in range(len(hdr))]
-    for i, r in enumerate(table):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(table)
     print(
         "bytes per device counted from the arrays' shards by memory kind (XLA:CPU's memory_analysis() reports "
         "no host bytes); on CPU 'host' and 'device' memory are the same RAM, so the ms/step ratio is the cost "

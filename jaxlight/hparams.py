@@ -54,3 +54,36 @@ def select(args: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"save_hyperparameters: {missing} are not arguments of __init__ (have {sorted(args)})")
     return {n: args[n] for n in names}
+
+
+class HyperparametersMixin:
+    """``save_hyperparameters`` and ``hparams``, shared by LightningModule and LightningDataModule (Lightning's
+    mixin of the same name): the recorded values are logged at fit start and saved in checkpoints."""
+
+    def save_hyperparameters(
+        self, *args: Any, ignore: Sequence[str] | str | None = None, frame: Any = None, logger: bool = True
+    ) -> None:
+        """Store ``__init__`` arguments in ``self.hparams`` (and the checkpoint).
+
+        With no arguments every init argument is saved; names select some; a
+        dict is saved as given. ``ignore`` drops names (e.g. modules).
+        """
+        ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            hp = dict(args[0])
+        else:
+            if frame is None:
+                frame = inspect.currentframe().f_back  # type: ignore[union-attr]
+            init_args = collect_init_args(frame, ignore)
+            hp = select(init_args, args) if args else init_args
+        self._hparams = AttributeDict(hp)
+        self._hparams_initial = AttributeDict(dict(hp))
+        self._log_hyperparams = logger
+
+    @property
+    def hparams(self) -> AttributeDict:
+        return self.__dict__.get("_hparams", AttributeDict())
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        return self.__dict__.get("_hparams_initial", AttributeDict())

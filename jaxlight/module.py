@@ -9,7 +9,6 @@ once into one compiled SPMD program; hooks run on the host.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxlight.hparams import AttributeDict, collect_init_args, select
+from jaxlight.hparams import AttributeDict, HyperparametersMixin
 from jaxlight.metrics import Collector
 from jaxlight.state import nnx_attributes
 
@@ -104,7 +103,7 @@ class DataHooks:
     def teardown(self, stage: str) -> None: ...
 
 
-class LightningModule(ModelHooks, DataHooks):
+class LightningModule(HyperparametersMixin, ModelHooks, DataHooks):
     """A model, its train/eval steps and its optimizer, in Lightning's shape.
 
     Guarantees: every ``flax.nnx.Module`` attribute is trained state; after
@@ -136,35 +135,6 @@ class LightningModule(ModelHooks, DataHooks):
         self._training: bool = True
         self._frozen: bool = False
         self._automatic_optimization: bool = True
-
-    # -- hyperparameters -------------------------------------------------
-    def save_hyperparameters(
-        self, *args: Any, ignore: Sequence[str] | str | None = None, frame: Any = None, logger: bool = True
-    ) -> None:
-        """Store ``__init__`` arguments in ``self.hparams`` (and the checkpoint).
-
-        With no arguments every init argument is saved; names select some; a
-        dict is saved as given. ``ignore`` drops names (e.g. modules).
-        """
-        ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            hp = dict(args[0])
-        else:
-            if frame is None:
-                frame = inspect.currentframe().f_back  # type: ignore[union-attr]
-            init_args = collect_init_args(frame, ignore)
-            hp = select(init_args, args) if args else init_args
-        self._hparams = AttributeDict(hp)
-        self._hparams_initial = AttributeDict(dict(hp))
-        self._log_hyperparams = logger
-
-    @property
-    def hparams(self) -> AttributeDict:
-        return self._hparams
-
-    @property
-    def hparams_initial(self) -> AttributeDict:
-        return self._hparams_initial
 
     # -- trainer access ------------------------------------------------------
     @property

@@ -744,6 +744,15 @@ class Trainer:
             out = EvalLoop(self, st).run(loaders, limits, log_step=self.global_step)
         return out
 
+    def _evaluate(
+        self, stage: str, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool, datamodule: Any
+    ) -> list[dict[str, float]]:
+        results = self._run_eval(stage, model, dataloaders, ckpt_path, datamodule)
+        if verbose and self.is_global_zero:
+            for i, metrics in enumerate(results):
+                _print_results(STAGES[stage].title + (f" (dataloader {i})" if len(results) > 1 else ""), metrics)
+        return results
+
     def validate(
         self,
         model: LightningModule | None = None,
@@ -754,11 +763,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run one validation epoch; returns the epoch-level logged metrics, one dict per loader
         (``[{metric: value}]`` for one loader; ``[]`` when ``limit_val_batches`` leaves no batch)."""
-        results = self._run_eval("validate", model, dataloaders, ckpt_path, datamodule)
-        if verbose and self.is_global_zero:
-            for i, metrics in enumerate(results):
-                _print_results("Validate" + (f" (dataloader {i})" if len(results) > 1 else ""), metrics)
-        return results
+        return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(
         self,
@@ -770,11 +775,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run one test epoch; returns the epoch-level logged metrics, one dict per loader
         (``[{metric: value}]`` for one loader; ``[]`` when ``limit_test_batches`` leaves no batch)."""
-        results = self._run_eval("test", model, dataloaders, ckpt_path, datamodule)
-        if verbose and self.is_global_zero:
-            for i, metrics in enumerate(results):
-                _print_results("Test" + (f" (dataloader {i})" if len(results) > 1 else ""), metrics)
-        return results
+        return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
 
     def predict(
         self,
