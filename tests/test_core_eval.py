@@ -103,9 +103,9 @@ def test_no_host_sync_per_step(monkeypatch):
     """Between logging points a fit never reads a device array on the host (every fetch goes through
     ArrayImpl._value); the run-ahead only blocks, len(steps) - RUN_AHEAD times. (jax's transfer guard does not
     guard the CPU backend, hence the patch.)"""
-    from jaxlight.loops import RUN_AHEAD
-
     from jax._src.array import ArrayImpl
+
+    from jaxlight.loops import RUN_AHEAD
 
     fetches, waits, at_batch = [], [], []
     value = ArrayImpl._value
