@@ -97,3 +97,27 @@ class LMModule(jl.LightningModule):
 
     def configure_optimizers(self):
         return optax.adamw(self.lr)
+
+
+def time_compiled_steps(trainers: dict[str, jl.Trainer], batch: dict, steps: int, rounds: int) -> dict[str, list]:
+    """ms/step of each fitted trainer's compiled train step on ``batch`` (placed as the trainer places
+    it), one warm step then ``steps`` timed ones per round; rounds alternate between the trainers so
+    machine drift hits all alike. Each trainer's ``train_state`` advances."""
+    import time
+
+    from jaxlight.data import BatchPlacer
+
+    times: dict[str, list[float]] = {n: [] for n in trainers}
+    for _ in range(rounds):
+        for name, t in trainers.items():
+            step, state = t.compiled["train"], t.train_state
+            placed = BatchPlacer(t.mesh, strategy=t.strategy).place(batch)
+            state, out, _ = step(state, placed, np.int32(0), np.bool_(False))
+            jax.block_until_ready(out["loss"])
+            t0 = time.perf_counter()
+            for i in range(steps):
+                state, out, _ = step(state, placed, np.int32(i), np.bool_(False))
+            jax.block_until_ready(state)
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+            t.train_state = state
+    return times

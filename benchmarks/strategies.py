@@ -142,8 +142,8 @@ def main() -> None:
 def offload_table(args) -> None:
     """Host offload: per-device device and host bytes of params, Adam state and EMA, and ms/step with and
     without offload, measured side by side (alternating rounds) on real steps of a smaller model."""
+    from benchmarks.common import time_compiled_steps
     from jaxlight.callbacks import EMA
-    from jaxlight.data import BatchPlacer
     from jaxlight.summary import per_device_bytes
     from tests.strategy_models import token_batches
 
@@ -152,9 +152,9 @@ def offload_table(args) -> None:
     pairs = [("ddp", "ddp+offload"), ("fsdp", "fsdp+offload"), ("fsdp+tp", "fsdp+tp+offload")]
     data = token_batches(steps + 1, args.batch, seq=65, vocab=dims["vocab"])
     results: dict[str, dict] = {}
-    times: dict[str, list[float]] = {n: [] for p in pairs for n in p}
+    names = [n for p in pairs for n in p]
     trainers = {}
-    for name in times:
+    for name in names:
         t = jl.Trainer(
             strategy=name,
             devices=8,
@@ -173,19 +173,7 @@ def offload_table(args) -> None:
             "opt": (per_device_bytes(st.opt_state, "device"), per_device_bytes(st.opt_state, "host")),
             "ema": (per_device_bytes(st.extra, "device"), per_device_bytes(st.extra, "host")),
         }
-    for _ in range(rounds):
-        for name, t in trainers.items():  # alternating: every strategy sees the same machine load
-            step = t.compiled["train"]
-            state = t.train_state
-            batch = BatchPlacer(t.mesh, strategy=t.strategy).place(data[1])  # as the trainer places it
-            state, out, _ = step(state, batch, np.int32(0), np.bool_(False))
-            jax.block_until_ready(out["loss"])
-            t0 = time.perf_counter()
-            for i in range(steps):
-                state, out, _ = step(state, batch, np.int32(i), np.bool_(False))
-            jax.block_until_ready(state)
-            times[name].append((time.perf_counter() - t0) / steps * 1e3)
-            t.train_state = state
+    times = time_compiled_steps(trainers, data[1], steps, rounds)
     n_params = sum(int(np.prod(x.shape)) for x in trainers["ddp"].train_state.params.values())
     print(
         f"\nhost offload: {n_params / 1e6:.1f} M params, EMA, Adam, global batch {args.batch} x 64, "

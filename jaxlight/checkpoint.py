@@ -429,8 +429,32 @@ def save_checkpoint(
         items["host_arrays"] = ocp.args.StandardSave(host_arrays)
     items["hparams"] = _hparams_yaml()[1]({"text": hparams_text})
     ck = checkpointer if checkpointer is not None else _new_checkpointer(async_=False)
+    if isinstance(ck, ocp.AsyncCheckpointer):
+        items.update({g: ocp.args.StandardSave(_own_host_buffers(tree)) for g, tree in groups.items()})
     ck.save(path, args=ocp.args.Composite(**items))
     return ck
+
+
+def _own_host_buffers(tree: Any) -> Any:
+    """``tree`` with its host-memory leaves (HostOffload's ``pinned_host`` state) copied.
+
+    Orbax reads a host-memory array through a zero-copy numpy view and holds it
+    until the files are written. While such a view exists XLA:GPU refuses to
+    donate the buffer ("Donation requested for buffer with external reference"),
+    so the train step after an async save would fail, and so would the first
+    step on state restored from numpy buffers. A copy gives the save (or the
+    restored state) a buffer of its own; it costs one host copy of the
+    offloaded bytes, held until the save commits. Device-memory leaves are
+    returned as they are.
+    """
+
+    def own(x: Any) -> Any:
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        if kind in (None, "device"):
+            return x
+        return jax.device_put(x, x.sharding, may_alias=False)
+
+    return jax.tree.map(own, tree)
 
 
 # ---------------------------------------------------------------------------- finding checkpoints
@@ -826,7 +850,7 @@ def _restore_arrays(path: Path, targets: dict[str, dict], impls: Mapping[str, st
                 if impl is not None:
                     sh = targets[item][group][k].sharding
                     v = jax.device_put(jax.random.wrap_key_data(v, impl=impl), sh)
-                dec[k] = v
+                dec[k] = _own_host_buffers(v)
             restored[item][group] = dec
     return restored
 

@@ -3,10 +3,13 @@
 The piece gives every optimizer-state and callback-state leaf that mirrors a
 parameter the ``pinned_host`` memory kind (same partition spec as its
 parameter, so each device's host shard is the slice that device updates).
-The compiled step fetches those leaves into device memory right before the
-optimizer update, runs the same update, and its out-shardings write them back
-to host memory; parameters never leave the device. Values are bit-identical
-to the same run without offload: only where the bytes live changes.
+The compiled step fetches those leaves into device memory once the gradients
+exist (an optimization barrier orders the copies after the backward pass, so
+the fetched state never shares device memory with the activations), runs the
+same update, and its out-shardings write them back to host memory; parameters
+never leave the device. Values are bit-identical to the same run without
+offload (8 CPU devices; on a GPU with ``Trainer(deterministic=True)``): only
+where the bytes live changes.
 """
 
 from __future__ import annotations
@@ -62,9 +65,13 @@ class HostOffload(Piece):
             return update
 
         def fetch_then_update(state: Any, grads: Any, aux: Any) -> Any:
+            # The copies to the device wait for the gradients, so the fetched state shares device memory
+            # with the gradients only, not with the activations. Without this XLA:GPU starts them early
+            # and the step's peak keeps every offloaded byte (measured: 2.5 GB temp against 1.8 GB).
+            grads, opt_state, extra = jax.lax.optimization_barrier((grads, state.opt_state, state.extra))
             state = state._replace(
-                opt_state=_to_device(state.opt_state, shardings.opt_state),
-                extra=_to_device(state.extra, shardings.extra),
+                opt_state=_to_device(opt_state, shardings.opt_state),
+                extra=_to_device(extra, shardings.extra),
             )
             return update(state, grads, aux)
 
