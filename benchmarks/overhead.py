@@ -206,14 +206,15 @@ def tiny_loss(logits, y):
 
 
 class TinyModule(jl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, on_epoch: bool = False) -> None:
         super().__init__()
         self.net = TinyMLP(nnx.Rngs(0))
+        self.on_epoch = on_epoch
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = tiny_loss(self.net(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, on_epoch=self.on_epoch)
         return loss
 
     def configure_optimizers(self):
@@ -268,7 +269,7 @@ class EpochAlternate:
 
 
 def tiny_jaxlight(
-    rounds: int, steps: int, root: str, prefetch: int | None = None
+    rounds: int, steps: int, root: str, prefetch: int | None = None, on_epoch: bool = False
 ) -> tuple[list[float], list[float], jl.Trainer]:
     batches = tiny_batches(steps)
     hand = TinyHand()
@@ -288,11 +289,13 @@ def tiny_jaxlight(
     # every default on: progress bar, ModelCheckpoint (one save per epoch), preemption, CSV logger
     extra = {} if prefetch is None else {"prefetch": prefetch}
     trainer = jl.Trainer(max_epochs=rounds + 1, devices=1, callbacks=[cb], default_root_dir=root, **extra)
-    trainer.fit(TinyModule(), train_dataloaders=batches)
+    trainer.fit(TinyModule(on_epoch), train_dataloaders=batches)
     return cb.framework_ms, cb.baseline_ms, trainer
 
 
-def tiny_lightning(rounds: int, steps: int, root: str) -> tuple[list[float], list[float]] | None:
+def tiny_lightning(
+    rounds: int, steps: int, root: str, on_epoch: bool = False
+) -> tuple[list[float], list[float]] | None:
     try:
         import lightning.pytorch as pl
     except ImportError:
@@ -337,7 +340,7 @@ def tiny_lightning(rounds: int, steps: int, root: str) -> tuple[list[float], lis
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = torch.nn.functional.cross_entropy(self.net(x), y)
-            self.log("train_loss", loss)
+            self.log("train_loss", loss, on_epoch=on_epoch)
             return loss
 
         def configure_optimizers(self):
@@ -374,17 +377,18 @@ def tiny(args) -> None:
     med = statistics.median
     rows = []
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stderr(io.StringIO()):
-        fw, base, trainer = tiny_jaxlight(args.rounds, args.tiny_steps, root, args.prefetch)
+        fw, base, trainer = tiny_jaxlight(args.rounds, args.tiny_steps, root, args.prefetch, args.epoch_log)
         rows.append(("jaxlight.Trainer", "jax.jit + optax", fw, base))
         if trainer.compile_counts["train"] != 1:
             raise RuntimeError(f"the trainer compiled {trainer.compile_counts['train']} times; expected 1")
         if not args.no_lightning:
-            lit = tiny_lightning(args.rounds, args.tiny_steps, root)
+            lit = tiny_lightning(args.rounds, args.tiny_steps, root, args.epoch_log)
             if lit is not None:
                 rows.append(("lightning.Trainer", "raw torch loop", *lit))
     print(
         f"jax {jax.__version__}, 1 {jax.devices()[0].platform} device; tiny MLP {TINY_IN}-{TINY_HIDDEN}-{TINY_OUT}, "
         f"batch {TINY_BATCH}, Adam; defaults on (progress bar, checkpoint per epoch, preemption, CSV logger); "
+        f"train_loss logged {'on_step and on_epoch' if args.epoch_log else 'on_step'}; "
         f"{args.rounds} rounds x {args.tiny_steps} steps, alternating, medians"
     )
     print(f"{'framework':<20}{'ms/step':>9}  {'baseline':<18}{'ms/step':>9}  {'overhead us/step':>17}  {'ratio':>6}")
@@ -399,6 +403,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="per-step host overhead on a tiny MLP (see the docstring)")
     p.add_argument("--tiny-steps", type=int, default=400, help="steps per round in --tiny mode")
     p.add_argument("--no-lightning", action="store_true", help="--tiny without the PyTorch Lightning rows")
+    p.add_argument("--epoch-log", action="store_true", help="--tiny: log train_loss with on_epoch=True too")
     p.add_argument("--prefetch", type=int, default=None, help="Trainer(prefetch=N); 0 reads batches inline")
     p.add_argument("--scan", action="store_true", help="the reference model with its blocks as a scanned LayerStack")
     p.add_argument("--rounds", type=int, default=12, help="trainer/hand segment pairs")

@@ -84,7 +84,7 @@ def test_one_compilation_per_fit_and_per_eval_stage(caplog):
     assert compiles("predict_step") == 1
     assert dict(trainer.compile_counts) == {"train": 1, "validate": 1, "test": 1, "predict": 1}
     # the device-side epoch accumulators of self.log compile once per stage too (validate, test)
-    assert sum(1 for m in msgs if m.startswith("Compiling jit(upd) ")) == 2
+    assert sum(1 for m in msgs if m.startswith("Compiling jit(fold_epoch_metrics) ")) == 2
 
 
 def test_train_state_is_donated():

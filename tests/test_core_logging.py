@@ -171,3 +171,44 @@ def test_csv_logger_hparams_stay_nested_and_columns_widen(tmp_path):
     lg.finalize("success")
     rows = read_csv(tmp_path / "exp" / "version_3" / "metrics.csv")
     assert [(r["a"], r["b"], r["step"]) for r in rows] == [("1.0", "", "0"), ("2.0", "nan", "1")]
+
+
+def test_epoch_accumulators_fold_in_chunks_and_equal_a_step_by_step_fold():
+    """Epoch values wait on the device and are folded FOLD_CHUNK steps per jitted call; the result is
+    exactly the per-step fold it replaced (same order of float operations), across a mid-epoch
+    state_dict, a change of the logged keys, and a partial last chunk."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlight.metrics import FOLD_CHUNK, LogSpec, MetricStore, _acc_init, _acc_step, _acc_value
+
+    rng = np.random.default_rng(0)
+    fxs = {"mean": "mean", "sum": "sum", "max": "max", "min": "min"}
+    store = MetricStore()
+    store.register({k: LogSpec(True, True, False, True, fx) for k, fx in fxs.items()})
+    calls = []
+    n_steps = 2 * FOLD_CHUNK + 5
+    # the reference: the per-step jitted fold this replaced
+    step_fold = {fx: jax.jit(lambda acc, vw, fx=fx: _acc_step(fx, acc, vw)) for fx in fxs}
+    ref = {k: _acc_init(fx) for k, fx in fxs.items()}
+    for i in range(n_steps):
+        keys = list(fxs) if i != FOLD_CHUNK + 3 else ["mean", "max"]  # one step logs fewer keys
+        vals = {k: (jnp.float32(rng.normal()), jnp.float32(rng.integers(1, 9))) for k in keys}
+        for k, vw in vals.items():
+            ref[k] = step_fold[k](ref[k], vw)
+        before = sum(1 for _ in store._pending)
+        store.update(vals)
+        calls.append(before >= len(store._pending))  # pending shrank or stayed empty: a fold ran
+        if i == FOLD_CHUNK + 8:
+            saved = store.state_dict()  # folds what is pending
+            assert not store._pending
+            at_save = {k: float(v) for k, v in store.epoch_values().items()}
+    got = {k: float(v) for k, v in store.epoch_values().items()}
+    want = {k: float(_acc_value(fxs[k], r)) for k, r in ref.items()}
+    assert got == want
+    # far fewer folds than steps: every FOLD_CHUNK steps, plus one per key change and per read
+    assert sum(calls) <= n_steps // FOLD_CHUNK + 3
+    # and a store restored from the mid-epoch state continues from those accumulators
+    restored = MetricStore()
+    restored.load_state_dict(saved)
+    assert {k: float(v) for k, v in restored.epoch_values().items()} == at_save
