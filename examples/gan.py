@@ -24,6 +24,10 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.devices import force_host_devices, parse_devices
+
 MODES, RADIUS, STD = 8, 2.0, 0.05
 
 
@@ -43,21 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="logs/gan", help="root directory for metrics")
     args = p.parse_args(argv)
-    if args.devices != "auto":
-        try:
-            args.devices = int(args.devices)
-        except ValueError:
-            p.error(f"--devices must be an int or 'auto', got {args.devices!r}")
+    args.devices = parse_devices(p, args.devices)
     return args
-
-
-def force_host_devices(devices: object) -> None:
-    """Ask XLA for ``devices`` simulated CPU devices (only possible before JAX is imported)."""
-    if not isinstance(devices, int) or devices <= 1 or "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
 def mode_centers():

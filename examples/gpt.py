@@ -28,6 +28,10 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.devices import force_host_devices, parse_devices
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -63,22 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="logs/gpt", help="root directory for metrics and checkpoints")
     args = p.parse_args(argv)
-    if args.devices != "auto":
-        try:
-            args.devices = int(args.devices)
-        except ValueError:
-            p.error(f"--devices must be an int or 'auto', got {args.devices!r}")
+    args.devices = parse_devices(p, args.devices)
     return args
-
-
-def force_host_devices(devices: object) -> None:
-    """Ask XLA for ``devices`` simulated CPU devices. Only possible before JAX
-    is imported; on GPU/TPU machines the flag is ignored."""
-    if not isinstance(devices, int) or devices <= 1 or "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
 if __name__ == "__main__":
@@ -86,8 +76,6 @@ if __name__ == "__main__":
     force_host_devices(_ARGS.devices)
 
 # Everything below may import JAX.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

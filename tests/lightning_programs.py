@@ -241,6 +241,39 @@ def _val_loaders(prog: Program):
     return loaders[0]
 
 
+def _eval_steps(multi: bool) -> type:
+    """The eval step methods both frameworks' modules share, word for word (each module defines
+    ``_eval`` and ``net``); with several validation loaders they take ``dataloader_idx``."""
+    if multi:
+
+        class MultiLoader:
+            def validation_step(self, batch, batch_idx, dataloader_idx=0):
+                loss = self._eval(batch, "val")
+                if dataloader_idx == 1:  # a name without the loader suffix, logged by one loader only
+                    self.log("second_only", loss, add_dataloader_idx=False)
+                return loss
+
+            def test_step(self, batch, batch_idx, dataloader_idx=0):
+                return self._eval(batch, "test")
+
+            def predict_step(self, batch, batch_idx, dataloader_idx=0):
+                return self.net(batch[0])
+
+        return MultiLoader
+
+    class OneLoader:
+        def validation_step(self, batch, batch_idx):
+            return self._eval(batch, "val")
+
+        def test_step(self, batch, batch_idx):
+            return self._eval(batch, "test")
+
+        def predict_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+    return OneLoader
+
+
 # ----------------------------------------------------------------------------- PyTorch Lightning
 def _pl_module(prog: Program, run: Run):
     import pytorch_lightning as pl
@@ -249,7 +282,7 @@ def _pl_module(prog: Program, run: Run):
     w, b = initial_weights()
     multi = prog.val_loaders > 1
 
-    class Lit(pl.LightningModule):
+    class Lit(_eval_steps(multi), pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = torch.nn.Linear(IN, 1)
@@ -271,35 +304,6 @@ def _pl_module(prog: Program, run: Run):
             if prefix == "val":
                 self.log("vs", loss, on_step=True)
             return loss
-
-        if multi:
-
-            def validation_step(self, batch, batch_idx, dataloader_idx=0):
-                loss = self._eval(batch, "val")
-                if dataloader_idx == 1:  # a name without the loader suffix, logged by one loader only
-                    self.log("second_only", loss, add_dataloader_idx=False)
-                return loss
-
-        else:
-
-            def validation_step(self, batch, batch_idx):
-                return self._eval(batch, "val")
-
-        if multi:
-
-            def test_step(self, batch, batch_idx, dataloader_idx=0):
-                return self._eval(batch, "test")
-
-            def predict_step(self, batch, batch_idx, dataloader_idx=0):
-                return self.net(batch[0])
-
-        else:
-
-            def test_step(self, batch, batch_idx):
-                return self._eval(batch, "test")
-
-            def predict_step(self, batch, batch_idx):
-                return self.net(batch[0])
 
         def configure_optimizers(self):
             run.estimated_stepping_batches = self.trainer.estimated_stepping_batches
@@ -392,7 +396,7 @@ def _jl_module(prog: Program, run: Run):
     w, b = initial_weights()
     multi = prog.val_loaders > 1
 
-    class Lit(jl.LightningModule):
+    class Lit(_eval_steps(multi), jl.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = nnx.Linear(IN, 1, rngs=nnx.Rngs(0))
@@ -415,35 +419,6 @@ def _jl_module(prog: Program, run: Run):
             if prefix == "val":
                 self.log("vs", loss, on_step=True)
             return loss
-
-        if multi:
-
-            def validation_step(self, batch, batch_idx, dataloader_idx=0):
-                loss = self._eval(batch, "val")
-                if dataloader_idx == 1:  # a name without the loader suffix, logged by one loader only
-                    self.log("second_only", loss, add_dataloader_idx=False)
-                return loss
-
-        else:
-
-            def validation_step(self, batch, batch_idx):
-                return self._eval(batch, "val")
-
-        if multi:
-
-            def test_step(self, batch, batch_idx, dataloader_idx=0):
-                return self._eval(batch, "test")
-
-            def predict_step(self, batch, batch_idx, dataloader_idx=0):
-                return self.net(batch[0])
-
-        else:
-
-            def test_step(self, batch, batch_idx):
-                return self._eval(batch, "test")
-
-            def predict_step(self, batch, batch_idx):
-                return self.net(batch[0])
 
         def configure_optimizers(self):
             run.estimated_stepping_batches = self.trainer.estimated_stepping_batches
