@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxlight import serialization
+from jaxlight import compat, serialization
 from jaxlight.imports import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,11 +137,7 @@ def _new_checkpointer(async_: bool) -> Any:
 
 def save_in_flight(checkpointer: Any) -> bool:
     """Whether an async save's background commit is still running (cheap, no waiting)."""
-    mgr = getattr(checkpointer, "_async_manager", None)
-    if mgr is None:
-        return False
-    thread = getattr(mgr, "_thread", None)
-    return thread is not None and thread.is_alive()
+    return compat.async_save_in_flight(checkpointer)
 
 
 def _path_key(path: tuple) -> str:

@@ -397,32 +397,20 @@ def _user_configured() -> str | None:
     d = jax.config.jax_compilation_cache_dir
     if d and d != _state.directory:
         return str(d)
-    try:
-        from jax._src import compilation_cache as cc
-    except ImportError:  # pragma: no cover - layout of another jax
-        return None
-    cache = getattr(cc, "_cache", None)
+    from jaxlight import compat
+
+    cache, path = compat.persistent_cache_in_use()
     if cache is not None and cache is not _state.store:
-        return str(getattr(cache, "_path", "<unknown>"))
+        return path
     return None
 
 
 def _install(store: DiskCache) -> str:
     """Make ``store`` JAX's persistent cache: "installed", "unsupported" (JAX's layout differs) or "busy"
     (JAX set its cache up already, e.g. from a directory configured and unset again)."""
-    try:
-        from jax._src import compilation_cache as cc
+    from jaxlight import compat
 
-        mutex = cc._cache_initialized_mutex
-        cc._cache_initialized  # noqa: B018  (the attributes this relies on exist)
-    except (ImportError, AttributeError):
-        return "unsupported"
-    with mutex:
-        if cc._cache is not None or cc._cache_initialized:
-            return "busy"
-        cc._cache = store
-        cc._cache_initialized = True
-    return "installed"
+    return compat.install_persistent_cache(store)
 
 
 def _set_jax_options() -> None:

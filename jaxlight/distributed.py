@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import jax
 
+from jaxlight import compat
+
 
 class ClusterSpec(NamedTuple):
     """Where the coordinator is and which process this is."""
@@ -71,11 +73,7 @@ def detect(
 
 
 def _cluster_env_present() -> bool:
-    try:
-        from jax._src import clusters  # jax's own SLURM/OMPI/TPU/k8s detection
-    except ImportError:  # pragma: no cover - layout of jax internals changed
-        return False
-    for env in getattr(clusters.ClusterEnv, "_cluster_types", ()):
+    for env in compat.cluster_environments():
         try:
             if env.is_env_present():
                 # A SLURM allocation of one task is a single-process run.
@@ -88,22 +86,12 @@ def _cluster_env_present() -> bool:
 
 
 def _backends_started() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except Exception:
-        return False
+    return compat.backends_initialized()
 
 
 def is_initialized() -> bool:
     """True once :func:`initialize` (or ``jax.distributed.initialize``) has run in this process."""
-    try:
-        from jax._src import distributed as _d
-
-        return _d.global_state.client is not None
-    except Exception:
-        return jax.process_count() > 1
+    return bool(jax.distributed.is_initialized())
 
 
 def initialize(

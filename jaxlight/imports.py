@@ -24,6 +24,8 @@ from typing import Any
 from lightning_utilities.core.imports import RequirementCache
 from lightning_utilities.core.rank_zero import rank_zero_only
 
+from jaxlight import compat
+
 
 @dataclass(frozen=True)
 class Integration:
@@ -106,15 +108,10 @@ _RANK_ENV = ("JAX_PROCESS_ID", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "
 
 def process_rank() -> int:
     """This process's index: JAX's once its backend is initialized, else the launcher's environment (or 0)."""
-    try:
-        from jax._src import xla_bridge
+    if compat.backends_initialized():
+        import jax
 
-        if xla_bridge.backends_are_initialized():
-            import jax
-
-            return jax.process_index()
-    except (ImportError, AttributeError):  # pragma: no cover - jax internals moved
-        pass
+        return jax.process_index()
     for var in _RANK_ENV:
         v = os.environ.get(var)
         if v is not None and v.strip().isdigit():

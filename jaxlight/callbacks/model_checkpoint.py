@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 
+from jaxlight import compat
 from jaxlight.callbacks.callback import Callback
 from jaxlight.imports import WarnOnce, rank_zero_info, rank_zero_warn
 
@@ -528,9 +529,7 @@ class ModelCheckpoint(Callback):
         """Process 0's value on every process (a versioned log dir may differ per process)."""
         if jax.process_count() == 1:
             return value
-        from jax._src import distributed
-
-        client = distributed.global_state.client
+        client = compat.distributed_client()
         ModelCheckpoint._bcast_count = getattr(ModelCheckpoint, "_bcast_count", 0) + 1
         key = f"jaxlight/ckpt_dirpath/{ModelCheckpoint._bcast_count}"
         if jax.process_index() == 0:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxlight import compat
 from jaxlight.callbacks.callback import Callback
 from jaxlight.imports import rank_zero_info
 
@@ -115,9 +116,7 @@ class Preemption(Callback):
 
     @staticmethod
     def _client() -> Any:
-        from jax._src import distributed
-
-        client = distributed.global_state.client
+        client = compat.distributed_client()
         if client is None:
             raise RuntimeError("Preemption in a multi-process run needs jax.distributed.initialize()")
         return client
