@@ -12,7 +12,8 @@ from jaxlight.data import batch_mask
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.module import LightningModule
 from jaxlight.seed import seed_everything
-from jaxlight.step import StepError, TrainState
+from jaxlight.step import TrainState
+from jaxlight.tracing import StepError
 from jaxlight.trainer import MisconfigurationError, Trainer
 from jaxlight.verify import verify
 

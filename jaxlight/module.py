@@ -274,11 +274,11 @@ class LightningModule(HyperparametersMixin, ModelHooks, DataHooks):
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
         """The optimizers ``configure_optimizers`` returned, as in Lightning: one, or a list of several.
 
-        With manual optimization these are :class:`~jaxlight.step.ManualOptimizer` handles
+        With manual optimization these are :class:`~jaxlight.manual.ManualOptimizer` handles
         (``opt.step(grads)``, ``opt.param_paths``, ``opt.optimizer`` is the optax transformation);
         with automatic optimization the optax transformations themselves.
         """
-        from jaxlight.step import current_manual_context
+        from jaxlight.manual import current_manual_context
 
         ctx = current_manual_context()
         if ctx is not None:
@@ -313,9 +313,9 @@ class LightningModule(HyperparametersMixin, ModelHooks, DataHooks):
         ``jax.value_and_grad``. Forward passes update the models' other state
         (batch statistics, RNG counters) as they do in training_step.
         """
-        from jaxlight.step import _require_manual
+        from jaxlight.manual import require_manual
 
-        ctx = _require_manual("self.manual_backward(loss_fn)")
+        ctx = require_manual("self.manual_backward(loss_fn)")
         if not callable(loss_fn) or hasattr(loss_fn, "shape"):
             raise TypeError(
                 "manual_backward takes the function that computes the loss, not the loss: JAX differentiates "
@@ -326,15 +326,15 @@ class LightningModule(HyperparametersMixin, ModelHooks, DataHooks):
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Make :meth:`manual_backward` differentiate only ``optimizer``'s parameters (Lightning's toggle)."""
-        from jaxlight.step import _require_manual
+        from jaxlight.manual import require_manual
 
-        _require_manual("self.toggle_optimizer(opt)").toggled = optimizer
+        require_manual("self.toggle_optimizer(opt)").toggled = optimizer
 
     def untoggle_optimizer(self, optimizer: Any = None) -> None:
         """Undo :meth:`toggle_optimizer`: :meth:`manual_backward` differentiates every parameter again."""
-        from jaxlight.step import _require_manual
+        from jaxlight.manual import require_manual
 
-        _require_manual("self.untoggle_optimizer(opt)").toggled = None
+        require_manual("self.untoggle_optimizer(opt)").toggled = None
 
     @contextlib.contextmanager
     def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:

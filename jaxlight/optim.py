@@ -967,7 +967,7 @@ class OptimizerConfig:
             held = [hold_plateaus(t) if _has_plateau(t, {k: params[k] for k in ks}) else t for t, ks in zip(txs, keys)]
             cfg.optimizers = [BuiltOptimizer(i, t, k, lambda s, i=i: s[i]) for i, (t, k) in enumerate(zip(held, keys))]
             cfg.tx = _tuple_of_states(cfg.optimizers)
-            from jaxlight.step import ManualOptimizer  # the handles self.optimizers() returns
+            from jaxlight.manual import ManualOptimizer  # the handles self.optimizers() returns
 
             cfg.handles = [ManualOptimizer(o.index, o.tx, o.keys) for o in cfg.optimizers]
         return cfg

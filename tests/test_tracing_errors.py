@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxlight as jl
-from jaxlight.step import DOCS, TracingError
+from jaxlight.tracing import DOCS, TracingError
 from tests.core_models import EagerClassifier, batches, make_data, quiet, xent
 
 DATA = batches(*make_data(64), 16)
