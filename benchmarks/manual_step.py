@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         return params, parts.rest.to_flat(rest), sg, sd, gl
 
     hand = jax.jit(hand_step, donate_argnums=(0, 1, 2, 3))
-    hp, hr = jax.tree.map(jnp.copy, (state.params, state.rest))
+    hp, hr = jax.tree.map(jnp.copy, (state.params, state.model_state))
     hs = (tx.init({k: hp[k] for k in gen_keys}), tx.init({k: hp[k] for k in dis_keys}))
     hand_c = hand.lower(hp, hr, *hs, batch).compile()
     real = batch

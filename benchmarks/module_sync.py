@@ -105,7 +105,7 @@ def sync_cost(module: jl.LightningModule, batches: list, calls: int) -> tuple[fl
     for _ in range(calls):
         engine.sync_module()
     again = (time.perf_counter() - t) / calls
-    leaves = len(state.params) + len(state.rest)
+    leaves = len(state.params) + len(state.model_state)
     return statistics.median(fresh) * 1e6, again * 1e6, leaves
 
 

@@ -127,7 +127,7 @@ def main() -> None:
     # values: the same steps from the same initialisation (and the same timed steps since) must give the
     # same parameters and EMA; read after timing, as a host read of a pinned_host leaf pins its buffer
     deltas = {}
-    for group in ("params", "extra"):
+    for group in ("params", "callback_state"):
         a, b = _flat(getattr(ref.train_state, group)), _flat(getattr(off.train_state, group))
         assert a.keys() == b.keys(), (group, sorted(set(a) ^ set(b)))
         deltas[group] = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
@@ -161,7 +161,7 @@ def main() -> None:
                 f"{fmt_bytes(mem.argument_size_in_bytes)} / {fmt_bytes(host_args)}",
                 fmt_bytes(mem.temp_size_in_bytes),
                 f"{fmt_bytes(per_device_bytes(st.opt_state, 'device'))} / {fmt_bytes(per_device_bytes(st.opt_state, 'host'))}",
-                f"{fmt_bytes(per_device_bytes(st.extra, 'device'))} / {fmt_bytes(per_device_bytes(st.extra, 'host'))}",
+                f"{fmt_bytes(per_device_bytes(st.callback_state, 'device'))} / {fmt_bytes(per_device_bytes(st.callback_state, 'host'))}",
                 "n/a" if held[name] is None else fmt_bytes(held[name]),
                 f"{ms:.2f}",
                 f"{ms / base_ms:.2f}x",
@@ -172,7 +172,7 @@ def main() -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
     print(
         f"\nmax |delta| after {args.steps + args.rounds * (args.steps + 1)} identical steps, offload vs none: params {deltas['params']:.3g}, "
-        f"EMA {deltas['extra']:.3g} (expected 0: offload only moves bytes)"
+        f"EMA {deltas['callback_state']:.3g} (expected 0: offload only moves bytes)"
     )
     print("held dev: the allocator's bytes in use after that strategy's fit minus before it (its live state)")
     for name in names:

@@ -171,7 +171,7 @@ def offload_table(args) -> None:
         results[name] = {
             "params": (per_device_bytes(st.params, "device"), per_device_bytes(st.params, "host")),
             "opt": (per_device_bytes(st.opt_state, "device"), per_device_bytes(st.opt_state, "host")),
-            "ema": (per_device_bytes(st.extra, "device"), per_device_bytes(st.extra, "host")),
+            "ema": (per_device_bytes(st.callback_state, "device"), per_device_bytes(st.callback_state, "host")),
         }
     times = time_compiled_steps(trainers, data[1], steps, rounds)
     n_params = sum(int(np.prod(x.shape)) for x in trainers["ddp"].train_state.params.values())

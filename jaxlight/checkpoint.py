@@ -172,8 +172,12 @@ def _groups(trainer: Trainer, weights_only: bool) -> tuple[dict[str, dict], dict
         model = {"params": params, "rest": rest}
         train: dict[str, Any] = {}
     else:
-        model = {"params": dict(state.params), "rest": dict(state.rest)}
-        train = {"opt_state": _flat(state.opt_state), "extra": _flat(state.extra), "step": {"step": state.step}}
+        model = {"params": dict(state.params), "rest": dict(state.model_state)}
+        train = {
+            "opt_state": _flat(state.opt_state),
+            "extra": _flat(state.callback_state),
+            "step": {"step": state.step},
+        }
     groups = {"model": {g: _encode_keys(d, g, impls) for g, d in model.items() if d}}
     if not weights_only and train:
         groups["train"] = {g: _encode_keys(d, g, impls) for g, d in train.items() if d}
@@ -203,12 +207,12 @@ def _targets(trainer: Trainer, with_train: bool) -> dict[str, dict]:
         return {g: {k: d for k, d in item.items() if d} for g, item in out.items()}
     model = {
         "params": {k: _abstract(v, shs.params[k]) for k, v in state.params.items()},
-        "rest": {k: _abstract(v, shs.rest[k]) for k, v in state.rest.items()},
+        "rest": {k: _abstract(v, shs.model_state[k]) for k, v in state.model_state.items()},
     }
     out = {"model": model}
     if with_train:
         ov, osh = _flat(state.opt_state), _flat(shs.opt_state)
-        ev, esh = _flat(state.extra), _flat(shs.extra)
+        ev, esh = _flat(state.callback_state), _flat(shs.callback_state)
         out["train"] = {
             "opt_state": {k: _abstract(v, osh[k]) for k, v in ov.items()},
             "extra": {k: _abstract(v, esh[k]) for k, v in ev.items()},
@@ -918,10 +922,10 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         st = trainer.train_state
         train = arrays["train"]
         opt_state = _unflatten_like(st.opt_state, train.get("opt_state", {}))
-        extra = _unflatten_like(st.extra, train.get("extra", {}))
+        extra = _unflatten_like(st.callback_state, train.get("extra", {}))
         trainer.train_state = type(st)(params, rest, opt_state, extra, train["step"]["step"])
     elif trainer.train_state is not None:
-        trainer.train_state = trainer.train_state._replace(params=params, rest=rest)
+        trainer.train_state = trainer.train_state._replace(params=params, model_state=rest)
     trainer.engine.write_back(params, rest)
 
     module = trainer.lightning_module

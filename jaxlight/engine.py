@@ -236,7 +236,7 @@ class Engine:
         """
         state = self.train_state
         if state is not None and state is not self._synced:
-            self.write_back(state.params, state.rest)
+            self.write_back(state.params, state.model_state)
             self._synced = state
 
     def module_leaves(self) -> list[Any]:
@@ -257,7 +257,7 @@ class Engine:
             return
         params, rest = self.read_module()
         params = self.precision.store(params)
-        self.train_state = self.train_state._replace(params=params, rest=rest)
+        self.train_state = self.train_state._replace(params=params, model_state=rest)
         self.sync_module()
 
     # -- training state -------------------------------------------------------------------------
@@ -312,9 +312,9 @@ class Engine:
         with self.context():
             osh = self._mirror_shardings(jax.eval_shape(tx.init, params), params, "opt_state")
             opt_state = jax.jit(tx.init, out_shardings=osh)(params)
-        esh = self._mirror_shardings(extra, params, "extra")
+        esh = self._mirror_shardings(extra, params, "callback_state")
         extra = jax.device_put(extra, esh)
-        self._check_state_on_device(callbacks, {"opt_state": osh, "extra": esh})
+        self._check_state_on_device(callbacks, {"opt_state": osh, "callback_state": esh})
         self.state_shardings = TrainState(
             self.param_shardings, self.rest_shardings, osh, esh, NamedSharding(self.mesh, P())
         )

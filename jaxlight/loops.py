@@ -193,11 +193,11 @@ class EvalLoop:
         setattr(trainer, stage.count_attr, list(limits) if multi else limits[0])
         if in_fit:
             assert engine.train_state is not None
-            params, rest = engine.on_device(trainer.eval_params()), engine.train_state.rest
+            params, rest = engine.on_device(trainer.eval_params()), engine.train_state.model_state
             engine.write_back(params, rest)  # hooks see the weights being evaluated (not donated arrays)
         elif engine.train_state is not None:
             engine.eval_state()  # the eval steps need a builder even when fit built none
-            params, rest = engine.on_device(trainer.eval_params()), engine.train_state.rest
+            params, rest = engine.on_device(trainer.eval_params()), engine.train_state.model_state
         else:
             params, rest = engine.eval_state()
         trainer.call_module_hook(f"on_{hook}_model_eval")

@@ -107,7 +107,7 @@ class ManualContext:
         self.builder = builder
         self.handles = builder.handles
         self.params = dict(state.params)
-        self.rest = dict(state.rest)
+        self.rest = dict(state.model_state)
         self.opt_states = list(state.opt_state)
         self.collector = collector
         self.models: dict[str, Any] = {}
@@ -115,7 +115,7 @@ class ManualContext:
         self.grads: list[Any] = []
         self.last_loss: Any = None
         self.steps = 0
-        self._rest_dtypes = {k: getattr(v, "dtype", None) for k, v in state.rest.items()}
+        self._rest_dtypes = {k: getattr(v, "dtype", None) for k, v in state.model_state.items()}
 
     # -- the module's view ----------------------------------------------------------------------
     def make_models(self, params: Mapping[str, Any] | None = None, rest: Mapping[str, Any] | None = None) -> Any:

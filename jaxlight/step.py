@@ -41,10 +41,10 @@ from jaxlight.tracing import StepError, check_loss, explained_tracing_errors
 class TrainState(NamedTuple):
     """Everything the compiled train step reads and writes."""
 
-    params: dict[str, jax.Array]
-    rest: dict[str, jax.Array]
+    params: dict[str, jax.Array]  # the module's nnx.Param leaves, by path
+    model_state: dict[str, jax.Array]  # the module's other NNX variables (BatchNorm statistics, RNG counts)
     opt_state: Any  # automatic: the optax state; manual: a tuple, one state per optimizer
-    extra: dict[str, Any]
+    callback_state: dict[str, Any]  # in-step state owned by callbacks (StepExtension), by callback name
     step: jax.Array  # int32: optimizer updates applied so far (manual: train batches that stepped)
 
 
@@ -145,13 +145,13 @@ class StepBuilder:
         owner = type(self.module).__name__
 
         def loss_fn(params):
-            models = self._models(params, state.rest, train=True)
+            models = self._models(params, state.model_state, train=True)
             col = Collector("train", self._rows(batch), on_step=True, on_epoch=False)
             with self.module._bound(models, col), explained_tracing_errors(owner, "training_step"):
                 out = self.module.training_step(prec.compute(batch), batch_idx)
             loss, extras = split_training_output(out)
             rest = rest_after(self.parts, models)
-            rest = {k: v.astype(state.rest[k].dtype) if hasattr(v, "astype") else v for k, v in rest.items()}
+            rest = {k: v.astype(state.model_state[k].dtype) if hasattr(v, "astype") else v for k, v in rest.items()}
             self.log_specs["train"] = col.specs
             return loss.astype(jnp.float32), (extras, col.values, rest)
 
@@ -187,7 +187,7 @@ class StepBuilder:
             if not accumulating:
                 params = keep(params, state.params)
                 opt_state = keep(opt_state, state.opt_state)
-            rest = keep(rest, state.rest)
+            rest = keep(rest, state.model_state)
         updated = _has_updated(opt_state)
         if self.skip_nonfinite and not accumulating:
             updated = updated & ok
@@ -198,7 +198,7 @@ class StepBuilder:
     ) -> tuple[TrainState, dict[str, Any]]:
         step = state.step + updated.astype(jnp.int32)
         info = {"updated": updated, "step": step}
-        extra = {e.name: e.update(state.extra[e.name], params, info) for e in self.extensions}
+        extra = {e.name: e.update(state.callback_state[e.name], params, info) for e in self.extensions}
         return TrainState(params, rest, opt_state, extra, step), outputs
 
     def _manual_update(self, state: TrainState, grads: Any, aux: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
@@ -233,7 +233,7 @@ class StepBuilder:
                 ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
                 outputs["skipped"] = ~ok
                 keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-                params, rest = keep(params, state.params), keep(rest, state.rest)
+                params, rest = keep(params, state.params), keep(rest, state.model_state)
                 opt_state = keep(opt_state, state.opt_state)
                 updated = ok
         state, outputs = self._finish(state, params, rest, opt_state, updated, outputs)

@@ -738,7 +738,7 @@ class Trainer:
             if self.train_state is not None and self.lightning_module is model:
                 # the user may have edited the module since fit: evaluate what it holds now
                 params, rest = self.engine.read_module()
-                self.train_state = self.train_state._replace(params=params, rest=rest)
+                self.train_state = self.train_state._replace(params=params, model_state=rest)
             limits = [batch_limit(self, st, dl) for dl in loaders]
             # Lightning logs a standalone evaluation at the count of optimizer steps taken so far
             out = EvalLoop(self, st).run(loaders, limits, log_step=self.global_step)

@@ -96,7 +96,7 @@ def test_small_model_picks_ddp_and_says_why():
     # ddp's need holds the replicated parameters + Adam state; the EMA copy is counted on top
     assert by["ddp"].extra_bytes == params and by["ddp"].device_bytes >= 4 * params
     assert by["fsdp"].extra_bytes < 0.35 * params
-    ema = trainer.train_state.extra
+    ema = trainer.train_state.callback_state
     assert sum(x.nbytes for x in jax.tree.leaves(ema)) == params  # the real EMA state is that copy
 
 

@@ -24,7 +24,7 @@ def test_doc_examples_run(doc, tmp_path, capsys):
     if doc == "callbacks.md":
         assert "samples/s" in out and ns["speed"].flops_per_step > 0
         assert ns["averaged"] and ns["early"].best_score < float("inf")
-        assert int(ns["trainer"].train_state.extra["update_count"]) == len(ns["train"]) // 2
+        assert int(ns["trainer"].train_state.callback_state["update_count"]) == len(ns["train"]) // 2
         assert list(Path("logs/profile/plugins/profile").glob("*/*.xplane.pb"))
     else:
         steps = [m.step for m in ns["history"]]

@@ -153,7 +153,7 @@ def test_equinox_equals_hand_loop(reference, single):
     init_model, init_state = make()
     assert max_diff(eqx.filter(got_model, eqx.is_inexact_array), eqx.filter(init_model, eqx.is_inexact_array)) > 1e-2
     assert max_diff(got_state, init_state) > 1e-2
-    params, rest = trainer.train_state.params, trainer.train_state.rest
+    params, rest = trainer.train_state.params, trainer.train_state.model_state
     assert set(params) == {f"net/model/{m}/{p}" for m in ("l1", "bn", "l2") for p in ("weight", "bias")}
     assert {"net/model/steps", "net/state/bn/ema_state_index/0", "net/state/bn/ema_first_time_index"} <= set(rest)
     np.testing.assert_array_equal(np.asarray(rest["net/model/steps"]), np.arange(3))
@@ -203,7 +203,7 @@ def test_equinox_bf16_mixed_keeps_fp32_masters_and_state(single):
     module = EqxClassifier()
     trainer = jl.Trainer(max_epochs=1, precision="bf16-mixed", callbacks=[cb], **quiet())
     trainer.fit(module, data())
-    rest = trainer.train_state.rest
+    rest = trainer.train_state.model_state
     assert rest["net/state/bn/ema_state_index/0"].dtype == jnp.float32
     assert all(v.dtype == jnp.float32 for v in trainer.train_state.params.values())
     # close to the fp32 run, not equal to it (the forward ran in bf16)

@@ -150,7 +150,7 @@ def test_linen_cnn_equals_hand_loop(reference, single, call):
     assert max_diff(got["batch_stats"], init["batch_stats"]) > 1e-2
     assert max_diff(got["params"], init["params"]) > 1e-2
     # one dropout key per step, carried in the train state
-    assert int(trainer.train_state.rest["net/to_nnx__rngs/dropout/count"]) == STEPS
+    assert int(trainer.train_state.model_state["net/to_nnx__rngs/dropout/count"]) == STEPS
 
 
 def test_linen_eval_is_read_only_and_uses_running_stats(single):

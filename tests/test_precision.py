@@ -105,7 +105,7 @@ def test_bf16_activations_stay_bf16_through_norms(precision):
     model, trainer = fit_conv(precision)
     bf16 = {"bn": jnp.bfloat16, "ln": jnp.bfloat16, "logits": jnp.bfloat16}
     assert LitConv.seen == {"train": bf16, "validate": bf16}
-    rest = trainer.train_state.rest
+    rest = trainer.train_state.model_state
     assert rest["net/bn/mean"].dtype == jnp.float32 and rest["net/bn/var"].dtype == jnp.float32
     param_dtype = jnp.float32 if precision == "bf16-mixed" else jnp.bfloat16
     assert all(v.dtype == param_dtype for v in trainer.train_state.params.values())

@@ -161,7 +161,7 @@ def test_optimizer_state_follows_parameters(runs, name):
 
 def test_ema_follows_parameters(runs):
     trainer, *_ = runs["fsdp+tp"]
-    ema = next(iter(trainer.train_state.extra.values()))
+    ema = next(iter(trainer.train_state.callback_state.values()))
     params = trainer.train_state.params
     assert ema.keys() == params.keys()
     for k, v in params.items():

@@ -54,14 +54,14 @@ def test_offload_is_bit_identical_with_adam_ema_and_accumulation(base):
     # and the offload really happened (equal values would also come from a silently dropped piece)
     moments = lambda t: {k: v for k, v in _kinds(t.train_state.opt_state).items() if "mu" in k or "nu" in k}
     assert set(moments(off).values()) == {"pinned_host"} and set(moments(ref).values()) == {"device"}
-    assert set(_kinds(off.train_state.extra).values()) == {"pinned_host"}
+    assert set(_kinds(off.train_state.callback_state).values()) == {"pinned_host"}
 
 
 def test_only_parameter_mirrors_move_to_host_and_the_step_says_so():
     trainer, _ = _fit("fsdp+offload")
     st = trainer.train_state
     opt = _kinds(st.opt_state)
-    ema = _kinds(st.extra)
+    ema = _kinds(st.callback_state)
     # Adam moments and the accumulated gradients mirror parameters: host; counters stay on the device
     host = {k for k, v in {**opt, **ema}.items() if v == "pinned_host"}
     device = {k for k, v in {**opt, **ema}.items() if v == "device"}
@@ -127,7 +127,7 @@ def test_checkpoints_cross_offload_exactly(save_with, load_with, tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     # placement is what the new trainer asks for
     want = "pinned_host" if "offload" in load_with else "device"
-    assert set(_kinds(loaded.train_state.extra).values()) == {want}
+    assert set(_kinds(loaded.train_state.callback_state).values()) == {want}
     for k, x in loaded.train_state.params.items():
         assert x.sharding == loaded.engine.state_shardings.params[k], k
 
@@ -137,7 +137,7 @@ def test_summary_and_throughput_count_host_bytes_apart():
     trainer, _ = _fit("fsdp+offload", max_steps=4, accumulate=1, callbacks=[tm], log_every_n_steps=2)
     st = trainer.train_state
     host = per_device_bytes(st, "host")
-    assert host == per_device_bytes(st.opt_state, "host") + per_device_bytes(st.extra)
+    assert host == per_device_bytes(st.opt_state, "host") + per_device_bytes(st.callback_state)
     assert host > 0 and per_device_bytes(st.opt_state, "device") < 64  # only Adam's count stays
     text = summarize(st.params, st.opt_state, trainer.mesh)
     assert f"device + {jl.summary.fmt_bytes(per_device_bytes(st.opt_state, 'host'))} host" in text
@@ -163,7 +163,7 @@ def test_a_callback_needing_device_state_is_refused_by_name():
         jl.strategies.FSDP() + jl.strategies.HostOffload(optimizer_state=False), max_steps=1, callbacks=[ReadsMoments()]
     )
     assert set(_kinds(trainer.train_state.opt_state).values()) == {"device"}
-    assert set(_kinds(trainer.train_state.extra).values()) == {"pinned_host"}
+    assert set(_kinds(trainer.train_state.callback_state).values()) == {"pinned_host"}
 
 
 def test_offloaded_state_is_fetched_only_once_the_gradients_exist():
@@ -188,8 +188,8 @@ def test_offloaded_state_is_fetched_only_once_the_gradients_exist():
 
     def update(state, grads, aux):
         mu = 0.9 * state.opt_state["mu"] + grads["w"]
-        ema = 0.5 * state.extra["ema"] + 0.5 * state.params["w"]
-        return state._replace(params={"w": state.params["w"] - mu}, opt_state={"mu": mu}, extra={"ema": ema})
+        ema = 0.5 * state.callback_state["ema"] + 0.5 * state.params["w"]
+        return state._replace(params={"w": state.params["w"] - mu}, opt_state={"mu": mu}, callback_state={"ema": ema})
 
     wrapped = HostOffload().wrap_update(update, shardings)
 
@@ -226,7 +226,7 @@ def test_an_async_save_never_holds_the_live_offloaded_buffers(async_, tmp_path, 
     trainer, _ = _fit("fsdp+offload", max_steps=2)
     st = trainer.train_state
     live_host = _buffers(
-        [x for x in jax.tree.leaves((st.opt_state, st.extra)) if x.sharding.memory_kind == "pinned_host"]
+        [x for x in jax.tree.leaves((st.opt_state, st.callback_state)) if x.sharding.memory_kind == "pinned_host"]
     )
     assert live_host
     saved = {}

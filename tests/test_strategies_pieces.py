@@ -48,13 +48,19 @@ def test_rules_mapping_composes_with_fsdp_in_either_order():
     assert resolve_spec(("embed", "mlp"), (64, 64), a.logical_rules, mesh) == ("fsdp", "tensor")
 
 
+def test_host_offload_old_ema_keyword_still_works_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="callback_state"):
+        old = HostOffload(ema=False)
+    assert old == HostOffload(callback_state=False) and old.callback_state is False
+
+
 def test_composition_keeps_pieces_and_their_types():
-    s = FSDP(min_shard=128) + TensorParallel(2) + HostOffload(ema=False)
+    s = FSDP(min_shard=128) + TensorParallel(2) + HostOffload(callback_state=False)
     assert [type(p) for p in s.pieces] == [FSDP, TensorParallel, HostOffload]
-    assert s.find(HostOffload).ema is False and s.find(FSDP).min_shard == 128
+    assert s.find(HostOffload).callback_state is False and s.find(FSDP).min_shard == 128
     assert s.name == "fsdp+tp+offload"
     # the repr lists each piece with the settings that differ from its defaults
-    assert repr(s) == "Strategy(FSDP(min_shard=128), TensorParallel(size=2), HostOffload(ema=False))"
+    assert repr(s) == "Strategy(FSDP(min_shard=128), TensorParallel(size=2), HostOffload(callback_state=False))"
     # strings give the same pieces
     assert resolve_strategy("fsdp+tp+offload").pieces == (FSDP(), TensorParallel(), HostOffload())
     # a strategy plus a strategy flattens; identical pieces appear once

@@ -37,7 +37,7 @@ class Callback:
       what it saves includes this hook's updates of the other callbacks;
     - ``is_monitoring_callback``: decides from monitored metrics (early
       stopping); its ``on_train_epoch_end`` runs after the module's;
-    - ``state_on_device``: the TrainState groups (``"opt_state"``, ``"extra"``)
+    - ``state_on_device``: the TrainState groups (``"opt_state"``, ``"callback_state"``)
       this callback computes on between steps, so they must stay in device
       memory (a host-offload strategy refuses to move them, naming the
       callback);

@@ -36,7 +36,7 @@ class EMA(Callback):
     first update is ``t = 1``). The decay is ``d = decay``, or with ``warmup``
     ``d = min(decay, (1 + t) / (10 + t))``. Arithmetic is in float32 (float64
     kept), the stored average keeps each parameter's dtype and sharding, and
-    it lives in ``TrainState.extra["ema"]``, so checkpoints save and restore it
+    it lives in ``TrainState.callback_state["ema"]``, so checkpoints save and restore it
     with the train state. With ``use_for_validation`` the validation loop inside
     ``fit`` and ``validate``/``test`` after it evaluate the EMA weights; the
     module itself keeps the trained weights (read the average with
@@ -94,17 +94,17 @@ class EMA(Callback):
     def ema_params(self, trainer: Any) -> dict[str, jax.Array]:
         """The averaged parameters (flat ``{path: array}``, sharded like the parameters)."""
         state = trainer.train_state
-        if state is None or self.name not in state.extra:
+        if state is None or self.name not in state.callback_state:
             raise RuntimeError("EMA has no average yet: it is created when fit() sets up training")
-        return state.extra[self.name]
+        return state.callback_state[self.name]
 
     def eval_params(self, trainer: Any, params: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
         if not self.use_for_validation or trainer.train_state is None:
             return None
-        return trainer.train_state.extra.get(self.name)
+        return trainer.train_state.callback_state.get(self.name)
 
     def state_dict(self) -> dict[str, Any]:
-        # The average itself is device state in TrainState.extra; this is the configuration it was made with.
+        # The average itself is device state in TrainState.callback_state; this is the configuration it was made with.
         return {"decay": self.decay, "warmup": self.warmup, "every_n_steps": self.every_n_steps, "name": self.name}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

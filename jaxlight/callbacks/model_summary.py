@@ -119,7 +119,11 @@ class ModelSummary(Callback):
             f"{fmt_count(total):<10} Trainable params ({total})",
             f"{fmt_bytes(per_device_bytes(params)):<10} Params per device",
             f"{fmt_state_bytes(state.opt_state):<10} Optimizer state per device",
-            *([f"{fmt_state_bytes(state.extra):<10} Callback state per device (EMA ...)"] if state.extra else []),
+            *(
+                [f"{fmt_state_bytes(state.callback_state):<10} Callback state per device (EMA ...)"]
+                if state.callback_state
+                else []
+            ),
             f"Mesh: {mesh_txt} ({mesh.size} devices)",
         ]
         return "\n".join(lines)

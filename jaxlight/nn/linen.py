@@ -7,7 +7,7 @@ trainer's steps), so the step code never threads Linen's ``mutable=`` or
 
 - training: every non-parameter collection the model created at init
   (``batch_stats``...) is mutable, and its updates are written into the
-  wrapper's variables, which the trainer carries in ``TrainState.rest``;
+  wrapper's variables, which the trainer carries in ``TrainState.model_state``;
 - evaluation: every collection is read-only;
 - always: one key per RNG stream is drawn from the wrapper's ``nnx.Rngs``
   and passed as Linen's ``rngs=``, so dropout sees a new mask every step;

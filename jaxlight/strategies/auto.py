@@ -299,10 +299,10 @@ def _shard_bytes(tree: Any, kinds: tuple[str, ...] | None = None) -> int:
 
 def _extra_shardings(strategy: Strategy, params: Mapping[str, Any]) -> dict[str, Any]:
     """A parameter copy's shardings under ``strategy``: each parameter's, in the memory kind the strategy
-    gives callback state (``"extra"``) that mirrors it."""
+    gives callback state (``"callback_state"``) that mirrors it."""
     out = {}
     for k, p in params.items():
-        kind = strategy.memory_kind("extra", k)
+        kind = strategy.memory_kind("callback_state", k)
         out[k] = p.sharding.with_memory_kind(kind) if kind is not None else p.sharding
     return out
 

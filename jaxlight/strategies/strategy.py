@@ -51,7 +51,7 @@ _COMPOSED_DEFAULT = {"tensor": 2, "sequence": 2, "stage": 2, "expert": 2}
 UpdateFn = Callable[..., Any]
 """The in-step update ``update(state, grads, aux) -> (state, outputs)`` that pieces may wrap."""
 
-STATE_GROUPS = ("opt_state", "extra")
+STATE_GROUPS = ("opt_state", "callback_state")
 """The groups of :class:`jaxlight.step.TrainState` a piece may give a memory kind (parameters and model
 state stay in device memory: the forward pass reads them)."""
 
