@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from jaxlight import compat
 
@@ -164,4 +165,110 @@ def process_count() -> int:
     return jax.process_count()
 
 
-__all__ = ["ClusterSpec", "detect", "initialize", "is_initialized", "process_count", "process_index", "shutdown"]
+# ------------------------------------------------------------------ agreeing across processes
+# Every cross-process exchange in jaxlight goes through these. In a single process each returns its
+# input without touching jax.distributed, so callers need no `process_count() == 1` branch.
+
+
+def broadcast_int(value: int) -> int:
+    """Process 0's ``value`` on every process (every process must call it)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def broadcast_bool(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (every process must call it)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
+
+
+def gather_ints(value: int) -> list[int]:
+    """Every process's ``value``, indexed by process (every process must call it)."""
+    if jax.process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
+
+
+def processes_where(flag: bool) -> list[int]:
+    """The indices of the processes whose ``flag`` is True (every process must call it)."""
+    return [i for i, f in enumerate(gather_ints(int(bool(flag)))) if f]
+
+
+def gather_bytes(blob: bytes | None) -> list[bytes | None]:
+    """Every process's ``blob`` (None where a process had none to give), indexed by process.
+
+    Sizes go first, then one padded gather; a process passing None is reported as None everywhere,
+    so no process is left waiting in the second gather."""
+    sizes = gather_ints(-1 if blob is None else len(blob))
+    if jax.process_count() == 1:
+        return [blob]
+    from jax.experimental import multihost_utils
+
+    padded = np.zeros(max(max(sizes), 1), np.uint8)
+    if blob:
+        padded[: len(blob)] = np.frombuffer(blob, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [None if n < 0 else every[i, :n].tobytes() for i, n in enumerate(sizes)]
+
+
+def _client(what: str) -> Any:
+    client = compat.distributed_client()
+    if client is None:
+        raise RuntimeError(f"{what} in a multi-process run needs jax.distributed.initialize() first")
+    return client
+
+
+def broadcast_str(value: str, key: str, timeout_s: float = 300.0) -> str:
+    """Process 0's string on every process, through the coordination service's key-value store.
+
+    ``key`` must be unique for each exchange of a run (a fresh key per call)."""
+    if jax.process_count() == 1:
+        return value
+    client = _client("broadcast_str")
+    if jax.process_index() == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
+def kv_set(key: str, value: str) -> None:
+    """Publish ``value`` under ``key`` in the coordination service (multi-process runs only)."""
+    _client("kv_set").key_value_set(key, value)
+
+
+def kv_try_get(key: str) -> str | None:
+    """The value under ``key`` if some process published it, else None; never waits."""
+    client = compat.distributed_client()
+    if client is None:
+        return None
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # the service answers "not found" with an error
+        return None
+
+
+__all__ = [
+    "ClusterSpec",
+    "broadcast_bool",
+    "broadcast_int",
+    "broadcast_str",
+    "detect",
+    "gather_bytes",
+    "gather_ints",
+    "initialize",
+    "is_initialized",
+    "kv_set",
+    "kv_try_get",
+    "process_count",
+    "process_index",
+    "processes_where",
+    "shutdown",
+]
