@@ -22,12 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.errors import BatchError as BatchError  # its home is jaxlight.errors; this path keeps working
 from jaxlight.metrics import current_step_context, row_mask
 from jaxlight.strategies.placement import batch_axes_size, batch_spec
-
-
-class BatchError(ValueError):
-    """A batch the compiled step cannot take (shapes disagree, rows don't divide)."""
 
 
 def to_numpy(x: Any) -> Any:
@@ -239,14 +236,6 @@ class BatchPlacer:
                 f"global batch {rows}{where} is not divisible by the batch axes "
                 f"data*fsdp*expert = {self.divisor} of mesh {dict(self.mesh.shape)}"
             )
-
-    def global_shapes(self, batch: Any) -> dict[str, tuple[int, ...]]:
-        """Every leaf's global shape by path (what strategy pieces check before compiling)."""
-        out = {}
-        for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            shape = tuple(x.shape)
-            out[leaf_path(p)] = (self.global_rows(shape[0]), *shape[1:]) if shape else shape
-        return out
 
     def place_flat(self, leaves: list[Any], treedef: Any) -> Any:
         """:meth:`place` for an already flattened host batch: the per-step fast path.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import inspect
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,12 +24,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
+from jaxlight.hooks import names_parameter, takes_argument
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig
 from jaxlight.optim import configure as configure_optimizers_output
 from jaxlight.precision import Precision
+from jaxlight.stages import STAGES
 from jaxlight.state import ModelParts, merge_models, nnx_attributes, path_str, split_models
 from jaxlight.step import StepBuilder, StepExtension, TrainState
 from jaxlight.strategies.placement import named, param_specs, rest_specs
@@ -247,6 +249,16 @@ class Engine:
             return []
         return jax.tree.leaves(nnx.state(models))
 
+    @contextlib.contextmanager
+    def adopting_module_edits(self) -> Iterator[None]:
+        """Run host code after which the module's attributes may hold other arrays (the user loaded
+        weights into them in a hook): afterwards the train state is built from what they hold."""
+        before = self.module_leaves()
+        yield
+        after = self.module_leaves()
+        if len(before) != len(after) or any(a is not b for a, b in zip(before, after)):
+            self.adopt_module_edits()
+
     def adopt_module_edits(self) -> None:
         """Train from what the module's attributes hold now (a user loaded weights into them in a hook).
 
@@ -348,7 +360,7 @@ class Engine:
                         f"{type(cb).__name__} reads TrainState.{group} on the device between steps "
                         f"(state_on_device={cb.state_on_device!r}), but strategy {self.strategy.name!r} keeps "
                         f"{len(moved)} of its leaves in {moved[0].memory_kind!r} memory; leave {group} on the "
-                        f"device (e.g. HostOffload({'optimizer_state' if group == 'opt_state' else 'ema'}=False)) "
+                        f"device (e.g. HostOffload({'optimizer_state' if group == 'opt_state' else group}=False)) "
                         f"or drop the callback"
                     )
 
@@ -381,8 +393,6 @@ class Engine:
         TrainState with the shardings the real run would use. Does not change
         this engine's model or state.
         """
-        from jaxlight.data import BatchPlacer, leaf_path
-
         with self.context():
             parts, aparams, arest = self._abstract_model(module)
             psh, rsh = self._var_shardings(parts, aparams, arest)
@@ -452,15 +462,9 @@ class Engine:
         """
         b = self.builder
         assert b is not None
-        shapes = {
-            jax.tree_util.keystr(p, simple=True, separator="/") or "<root>": tuple(x.shape)
-            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-        }
-        self.strategy.check_batch(shapes, dict(self.mesh.shape))
-        if jax.process_count() > 1:
-            _assert_same_batch_across_processes(stage, batch)
+        self._check_batch(stage, batch)
         rows = int(jax.tree.leaves(batch)[0].shape[0])
-        method = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}[stage]
+        method = STAGES[stage].step_method
 
         def eval_step(params, rest, batch, batch_idx, valid):
             ctx = StepContext(valid=valid, shares=shares, rows=rows, dataloader_idx=dataloader_idx)
@@ -479,32 +483,25 @@ class Engine:
         """The evaluation step compiled under ``key`` for this batch's shapes and dtypes, or None."""
         return self.eval_steps.get((key, _signature(batch)))
 
-    def compile(self, stage: str, *args: Any) -> Any:
-        """Lower and compile one stage's step for the given example arguments (once per stage)."""
+    def compile_train(self, state: TrainState, batch: Any, batch_idx: Any, flush: Any) -> Any:
+        """Lower and compile the train step ``(state, batch, batch_idx, flush) -> (state, outputs, logs)``
+        for these example arguments, the state donated; stored under ``compiled["train"]``."""
         b = self.builder
         assert b is not None
-        batch = args[1] if stage == "train" else args[2]  # (state, batch, idx, flush) / (params, rest, batch, idx)
-        shapes = {
-            jax.tree_util.keystr(p, simple=True, separator="/") or "<root>": tuple(x.shape)
-            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-        }
+        self._check_batch("train", batch)
+        with self.context():
+            fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
+            compiled = fn.lower(state, batch, batch_idx, flush).compile()
+        self.compile_counts["train"] += 1
+        self.compiled["train"] = compiled
+        return compiled
+
+    def _check_batch(self, stage: str, batch: Any) -> None:
+        """The strategy's checks of the batch's global shapes; across processes, the same structure."""
+        shapes = {leaf_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
         self.strategy.check_batch(shapes, dict(self.mesh.shape))
         if jax.process_count() > 1:
             _assert_same_batch_across_processes(stage, batch)
-        with self.context():
-            if stage == "train":
-                fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
-            else:
-
-                def eval_step(params, rest, batch, batch_idx, _stage=stage):
-                    return b.eval_step(_stage, params, rest, batch, batch_idx)
-
-                eval_step.__name__ = f"{stage}_step"
-                fn = jax.jit(eval_step)
-            compiled = fn.lower(*args).compile()
-        self.compile_counts[stage] += 1
-        self.compiled[stage] = compiled
-        return compiled
 
 
 def _signature(batch: Any) -> tuple:
@@ -513,32 +510,18 @@ def _signature(batch: Any) -> tuple:
     return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
-def takes_dataloader_idx(fn: Any) -> bool:
-    """Whether a step or hook accepts a third argument (Lightning's ``dataloader_idx``)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    if any(p.name == "dataloader_idx" or p.kind is p.VAR_POSITIONAL for p in params):
-        return True
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
-
-
 @contextlib.contextmanager
 def _with_dataloader_idx(module: Any, method: str, dataloader_idx: int | None):
     """While tracing, make ``module.<method>(batch, batch_idx)`` pass ``dataloader_idx`` as a third argument
     (a static Python int: one compiled step per loader) when the method takes one."""
     bound = getattr(module, method)
-    if dataloader_idx is None or not takes_dataloader_idx(bound):
+    # a signature that cannot be read gets no third argument
+    if dataloader_idx is None or not takes_argument(bound, "dataloader_idx", 2):
         yield
         return
     had = method in vars(module)
     saved = vars(module).get(method)
-    try:
-        named = "dataloader_idx" in inspect.signature(bound).parameters
-    except (TypeError, ValueError):
-        named = False
-    if named:
+    if names_parameter(bound, "dataloader_idx"):
         call = functools.partial(bound, dataloader_idx=dataloader_idx)
     else:  # Lightning passes it as the third positional argument, whatever its name
         call = lambda batch, batch_idx: bound(batch, batch_idx, dataloader_idx)

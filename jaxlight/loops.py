@@ -2,29 +2,37 @@
 
 ``FitLoop.run`` is epochs of train batches with validation inside (every
 ``val_check_interval``) and at the epoch end; ``EvalLoop.run`` is one pass of
-validation, test or predict over one or several loaders. Both read and move
-only public trainer state: the hook dispatcher (``trainer.call_hook``), the
-engine (compiled steps and the train state), the reporter (the logging path)
-and the loop position.
+validation, test or predict over one or several loaders. Both get a
+:class:`LoopParts`: the arguments (``config``), the hook caller, the engine
+(compiled steps and the train state), the reporter (the logging path), the
+loop position, and the Trainer's run state (:class:`RunState`: the flags and
+counts Lightning shows on the Trainer, which the loops set and callbacks read).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
-from jaxlight.data import BatchError, BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
-from jaxlight.errors import MisconfigurationError
+from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
+from jaxlight.config import TrainerConfig
+from jaxlight.data import BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
+from jaxlight.errors import BatchError, MisconfigurationError
+from jaxlight.hooks import overrides, takes_argument
 from jaxlight.imports import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxlight.trainer import Trainer
+    from jaxlight.engine import Engine
+    from jaxlight.hooks import HookCaller
+    from jaxlight.position import LoopPosition
+    from jaxlight.reporting import MetricReporter
 
 _FLUSH, _NO_FLUSH = np.bool_(True), np.bool_(False)
 _INDEX_CACHE: list[np.ndarray] = []
@@ -37,12 +45,6 @@ def step_index(i: int) -> np.ndarray:
     while len(_INDEX_CACHE) <= i:
         _INDEX_CACHE.append(np.int32(len(_INDEX_CACHE)))
     return _INDEX_CACHE[i]
-
-
-RUN_AHEAD = 4
-"""Steps the host may dispatch ahead of the device before it waits for the oldest one. Deep enough that
-the device never idles between steps (measured: with 2, the reference workload ran 1% slower than a plain
-jit loop on XLA:CPU; with 4, 0.1%), shallow enough to bound memory and how late a stop takes effect."""
 
 
 class RunAhead:
@@ -61,20 +63,98 @@ class RunAhead:
         self._inflight.clear()
 
 
+class RunState(Protocol):
+    """What the loops read and set on the Trainer: Lightning's run flags and counts (callbacks read them
+    there, e.g. ``trainer.sanity_checking``, ``trainer.num_val_batches``), and the weights to evaluate."""
+
+    should_stop: bool
+    sanity_checking: bool
+    training: bool
+    validating: bool
+    testing: bool
+    predicting: bool
+    num_training_batches: int | float
+    num_val_batches: int | float | list
+    num_test_batches: int | float | list
+    num_predict_batches: int | float | list
+    batch_idx: int
+
+    def eval_params(self) -> dict[str, jax.Array]: ...
+
+
+class LoopParts(NamedTuple):
+    """Everything a loop works with; the Trainer builds one per run."""
+
+    config: TrainerConfig
+    hooks: HookCaller
+    engine: Engine
+    reporter: MetricReporter
+    position: LoopPosition
+    state: RunState
+
+
+@contextlib.contextmanager
+def stage_run(
+    stage: Stage,
+    hooks: HookCaller,
+    reporter: MetricReporter,
+    state: RunState,
+    datamodule: Any,
+    sync_module: Callable[[], None],
+) -> Iterator[None]:
+    """Lightning's frame around one fit/validate/test/predict call.
+
+    Before: ``prepare_data`` on process 0 (the datamodule's, then the
+    module's), the datamodule's ``setup``, the ``setup`` hook, empty metric
+    views. On failure: a failed fit first points the module at the last
+    completed step's weights (``sync_module``), then ``on_exception`` runs.
+    After, always: the loggers' ``finalize``, the datamodule's ``teardown``,
+    the ``teardown`` hook, and the stage flags cleared.
+    """
+    reporter.stage = stage.name
+    status = "success"
+    try:
+        if datamodule is not None and jax.process_index() == 0:
+            datamodule.prepare_data()
+        if jax.process_index() == 0:
+            hooks.call_module("prepare_data")
+        if datamodule is not None:
+            datamodule.setup(stage.fn)
+        hooks.call("setup", stage.fn)
+        reporter.reset()  # Lightning: every run starts with empty metric views
+        yield
+    except BaseException as e:
+        status = "failed"
+        if stage.name == "train":
+            try:  # leave the module usable with the last completed step's weights
+                sync_module()
+            except Exception:
+                pass  # e.g. the state was donated to the failed step
+        hooks.call_on_exception(e)
+        raise
+    finally:
+        reporter.finalize_loggers(status)
+        if datamodule is not None:
+            datamodule.teardown(stage.fn)
+        hooks.call("teardown", stage.fn)
+        reporter.stage = "train"
+        state.training = state.validating = state.testing = state.predicting = False
+
+
 # ---------------------------------------------------------------------------- data of a stage
-def loader_for(trainer: Trainer, stage: Stage, given: Any) -> Any:
+def loader_for(stage: Stage, given: Any, datamodule: Any, module: Any) -> Any:
     """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``."""
     if given is not None:
         return given
-    if trainer.datamodule is not None:
-        return getattr(trainer.datamodule, stage.loader_method)()
-    fn = getattr(trainer.lightning_module, stage.loader_method, None)
+    if datamodule is not None:
+        return getattr(datamodule, stage.loader_method)()
+    fn = getattr(module, stage.loader_method, None)
     return fn() if callable(fn) else None
 
 
-def batch_limit(trainer: Trainer, stage: Stage, loader: Any) -> int | float:
+def batch_limit(config: TrainerConfig, stage: Stage, loader: Any) -> int | float:
     """Batches the stage runs: the loader's length cut by ``limit_*_batches`` (inf when unknown)."""
-    limit = getattr(trainer, stage.limit_attr)
+    limit = getattr(config, stage.limit_attr)
     n = num_batches(loader)
     if limit is None or (isinstance(limit, float) and limit == 1.0):  # int 1 means one batch
         return n if n is not None else math.inf
@@ -88,7 +168,7 @@ def batch_limit(trainer: Trainer, stage: Stage, loader: Any) -> int | float:
     return min(limit, n) if n is not None else limit
 
 
-def train_batches(trainer: Trainer, loader: Any) -> int | float:
+def train_batches(config: TrainerConfig, loader: Any) -> int | float:
     """Train batches per epoch, with a ragged last batch settled before any step.
 
     When the loader tells its batch sizes without being iterated (a torch
@@ -103,14 +183,14 @@ def train_batches(trainer: Trainer, loader: Any) -> int | float:
             f"fit got {len(loader)} train loaders; jaxlight trains on one loader (Lightning's CombinedLoader modes "
             f"are not supported): combine them into one loader that yields the batches you want"
         )
-    n = batch_limit(trainer, TRAIN, loader)
+    n = batch_limit(config, TRAIN, loader)
     tail = tail_rows(loader)
     if tail is None:
         return n
     batches, first, last = tail
     if first == last or n < batches:
         return n
-    if trainer.ragged_batches == "drop":
+    if config.ragged_batches == "drop":
         return batches - 1
     raise BatchError(
         f"train batch {batches - 1} has {last} rows but the first had {first} (the loader's last batch, found "
@@ -121,7 +201,7 @@ def train_batches(trainer: Trainer, loader: Any) -> int | float:
 
 
 def prefetcher(
-    trainer: Trainer,
+    parts: LoopParts,
     stage: Stage,
     loader: Any,
     limit: int | float,
@@ -131,20 +211,25 @@ def prefetcher(
     placer: BatchPlacer | None = None,
 ) -> Prefetcher:
     """Background reader of one loader. Training checks ragged batches (error or drop); evaluation pads them."""
-    train = stage.name == "train"
+    train, config = stage.name == "train", parts.config
     return Prefetcher(
         loader,
-        placer or BatchPlacer(trainer.mesh, trainer.process_local_batches, trainer.strategy),
+        placer or batch_placer(parts),
         limit=None if limit == math.inf else int(limit),
         start=start,
-        depth=trainer.prefetch,
-        drop_ragged=train and trainer.ragged_batches == "drop",
+        depth=config.prefetch,
+        drop_ragged=train and config.ragged_batches == "drop",
         stage=stage.name,
         # evaluation: each run's first batch sets the shape (a later run may bring another loader)
-        expected_rows=trainer.engine.batch_rows.get(key or stage.name) if train else None,
+        expected_rows=parts.engine.batch_rows.get(key or stage.name) if train else None,
         loader_state=loader_state,
         pad=not train,
     )
+
+
+def batch_placer(parts: LoopParts) -> BatchPlacer:
+    """How this run's batches go onto the engine's mesh."""
+    return BatchPlacer(parts.engine.mesh, parts.config.process_local_batches, parts.engine.strategy)
 
 
 def _take_rows(tree: Any, rows: int, valid: int, shares: int) -> Any:
@@ -164,8 +249,8 @@ def _take_rows(tree: Any, rows: int, valid: int, shares: int) -> Any:
 class EvalLoop:
     """One pass of validation, test or predict over one or several loaders (one after the other)."""
 
-    def __init__(self, trainer: Trainer, stage: Stage) -> None:
-        self.trainer = trainer
+    def __init__(self, parts: LoopParts, stage: Stage) -> None:
+        self.parts = parts
         self.stage = stage
 
     def run(
@@ -180,7 +265,8 @@ class EvalLoop:
         result); for predict, the per-batch outputs (a list per loader when there are several).
 
         With every limit 0 nothing runs, no hook included (Lightning skips the loop)."""
-        trainer, stage, engine, reporter = self.trainer, self.stage, self.trainer.engine, self.trainer.reporter
+        parts, stage = self.parts, self.stage
+        hooks, engine, reporter, state = parts.hooks, parts.engine, parts.reporter, parts.state
         predict = stage.name == "predict"
         if not loaders or sum(limits) == 0:
             return []
@@ -188,24 +274,24 @@ class EvalLoop:
         if multi:
             self._check_hooks_take_dataloader_idx()
         hook = stage.hook
-        setattr(trainer, stage.flag_attr, True)
+        setattr(state, stage.flag_attr, True)
         prev_stage, reporter.stage = reporter.stage, stage.name
-        setattr(trainer, stage.count_attr, list(limits) if multi else limits[0])
+        setattr(state, stage.count_attr, list(limits) if multi else limits[0])
         if in_fit:
             assert engine.train_state is not None
-            params, rest = engine.on_device(trainer.eval_params()), engine.train_state.model_state
+            params, rest = engine.on_device(state.eval_params()), engine.train_state.model_state
             engine.write_back(params, rest)  # hooks see the weights being evaluated (not donated arrays)
         elif engine.train_state is not None:
             engine.eval_state()  # the eval steps need a builder even when fit built none
-            params, rest = engine.on_device(trainer.eval_params()), engine.train_state.model_state
+            params, rest = engine.on_device(state.eval_params()), engine.train_state.model_state
         else:
             params, rest = engine.eval_state()
-        trainer.call_module_hook(f"on_{hook}_model_eval")
-        trainer.call_hook(f"on_{hook}_start")
+        hooks.call_module(f"on_{hook}_model_eval")
+        hooks.call(f"on_{hook}_start")
         reporter.reset_epoch(stage.name)
-        trainer.call_hook(f"on_{hook}_epoch_start")
+        hooks.call(f"on_{hook}_epoch_start")
         predictions: list[list[Any]] = []
-        placer = BatchPlacer(trainer.mesh, trainer.process_local_batches, trainer.strategy)
+        placer = batch_placer(parts)
         shares = placer.global_rows(1)
         ahead = RunAhead()
         try:
@@ -217,12 +303,12 @@ class EvalLoop:
                 extra = (dl_idx,) if multi else ()
                 reporter.dataloader_idx = dl_idx if multi else None
                 outs: list[Any] = []
-                fetcher = prefetcher(trainer, stage, loader, limit, key=key, placer=placer)
+                fetcher = prefetcher(parts, stage, loader, limit, key=key, placer=placer)
                 try:
                     for item in fetcher:
                         batch, idx, valid = item.batch, item.index, item.valid
                         seen = batch if valid is None else _take_rows(batch, item.rows, valid, shares)
-                        trainer.call_hook(f"on_{hook}_batch_start", seen, idx, *extra)
+                        hooks.call(f"on_{hook}_batch_start", seen, idx, *extra)
                         n_valid = np.int32(item.rows // shares if valid is None else valid)
                         compiled = engine.eval_step_for(key, batch)
                         if compiled is None:  # a new loader or batch shape: one compiled step per shape
@@ -246,26 +332,26 @@ class EvalLoop:
                         reporter.on_eval_step(stage.name, logs, dl_idx)
                         if predict:
                             outs.append(out)
-                        trainer.call_hook(f"on_{hook}_batch_end", out, seen, idx, *extra)
+                        hooks.call(f"on_{hook}_batch_end", out, seen, idx, *extra)
                 finally:
                     fetcher.close()
                 predictions.append(outs)
         finally:
             ahead.clear()
             reporter.dataloader_idx = None
-        trainer.call_hook(f"on_{hook}_epoch_end")
+        hooks.call(f"on_{hook}_epoch_end")
         metrics: dict[str, float] = {}
         if not predict:
-            if log and not trainer.sanity_checking:
+            if log and not state.sanity_checking:
                 reporter.flush_eval_steps()
             metrics = reporter.epoch_values(stage.name)
-            if log and not trainer.sanity_checking:
+            if log and not state.sanity_checking:
                 reporter.send(metrics, step=log_step)
-        trainer.call_hook(f"on_{hook}_end")
+        hooks.call(f"on_{hook}_end")
         # Lightning's undo of on_*_model_eval (jaxlight never changes the module's own mode, so only the hook)
-        if stage.name == "validate" or hasattr(trainer.lightning_module, f"on_{hook}_model_train"):
-            trainer.call_module_hook(f"on_{hook}_model_train")
-        setattr(trainer, stage.flag_attr, False)
+        if stage.name == "validate" or hasattr(hooks.module, f"on_{hook}_model_train"):
+            hooks.call_module(f"on_{hook}_model_train")
+        setattr(state, stage.flag_attr, False)
         reporter.stage = prev_stage
         if predict:
             return predictions if multi else predictions[0]
@@ -273,170 +359,161 @@ class EvalLoop:
 
     def _check_hooks_take_dataloader_idx(self) -> None:
         """Lightning's rule: with several loaders, the module's batch hooks must accept ``dataloader_idx``."""
-        from jaxlight.module import LightningModule
-
-        module = self.trainer.lightning_module
-        for name, before in ((f"on_{self.stage.hook}_batch_start", 2), (f"on_{self.stage.hook}_batch_end", 3)):
-            fn = getattr(type(module), name, None)
-            if fn is None or fn is getattr(LightningModule, name, None):
+        module = self.parts.hooks.module
+        for name, position in ((f"on_{self.stage.hook}_batch_start", 2), (f"on_{self.stage.hook}_batch_end", 3)):
+            if not overrides(module, name):
                 continue
-            if not _accepts(getattr(module, name), before + 1):
+            if takes_argument(getattr(module, name), "dataloader_idx", position) is False:
                 raise MisconfigurationError(
                     f"several {self.stage.name} loaders were given, but {type(module).__name__}.{name} does not "
                     f"accept a dataloader_idx argument; add `dataloader_idx=0` to its signature"
                 )
 
 
-def _accepts(fn: Any, positional: int) -> bool:
-    """Whether ``fn`` takes a ``dataloader_idx`` keyword or ``positional`` positional arguments."""
-    import inspect
-
-    try:
-        ps = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return True
-    if any(p.name == "dataloader_idx" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in ps):
-        return True
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in ps) >= positional
-
-
 # ---------------------------------------------------------------------------- training
 class FitLoop:
-    """Epochs of train batches, validation inside them, epoch-end hooks; stops on the Trainer's limits."""
+    """Epochs of train batches, validation inside them, epoch-end hooks; stops on the configured limits."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, parts: LoopParts) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.position = parts.position
+        self.state = parts.state
 
     # -- stopping and validation cadence ---------------------------------------------------
     def can_stop_early(self) -> bool:
         # Lightning: should_stop is honoured once min_epochs *completed* epochs and min_steps are reached
-        # (current_epoch counts completed epochs at the epoch boundary and during an epoch alike).
-        t = self.trainer
-        return t.current_epoch >= t.min_epochs and t.global_step >= t.min_steps
+        # (the epoch counts completed epochs at the epoch boundary and during an epoch alike).
+        c, pos = self.config, self.position
+        return pos.epoch >= c.min_epochs and pos.global_step >= c.min_steps
 
     def done(self) -> bool:
-        t = self.trainer
-        if t.max_steps != -1 and t.global_step >= t.max_steps:
+        if self.config.max_steps != -1 and self.position.global_step >= self.config.max_steps:
             return True
-        return t.should_stop and self.can_stop_early()
+        return self.state.should_stop and self.can_stop_early()
 
     def finished(self) -> bool:
         """Lightning's ``FitLoop.done``: nothing (more) to train, so ``run`` returns before ``on_train_start``."""
-        t = self.trainer
-        if t.num_training_batches == 0 or self.done():
+        if self.state.num_training_batches == 0 or self.done():
             return True
-        return t.max_epochs != -1 and t.current_epoch >= t.max_epochs
+        return self.config.max_epochs != -1 and self.position.epoch >= self.config.max_epochs
 
     def val_check_batch(self) -> int | float:
         """Train batches between validations (inf: only at epoch ends)."""
-        t = self.trainer
-        if isinstance(t.val_check_interval, float):
-            if t.num_training_batches == math.inf:
-                if t.val_check_interval != 1.0:
+        c, total = self.config, self.state.num_training_batches
+        if isinstance(c.val_check_interval, float):
+            if total == math.inf:
+                if c.val_check_interval != 1.0:
                     raise MisconfigurationError(
-                        f"val_check_interval={t.val_check_interval} needs a train loader with a length; "
+                        f"val_check_interval={c.val_check_interval} needs a train loader with a length; "
                         f"pass an int number of batches"
                     )
                 return math.inf
-            return max(1, int(t.num_training_batches * t.val_check_interval))
-        if t.check_val_every_n_epoch is not None and t.val_check_interval > t.num_training_batches:
+            return max(1, int(total * c.val_check_interval))
+        if c.check_val_every_n_epoch is not None and c.val_check_interval > total:
             raise MisconfigurationError(
-                f"val_check_interval ({t.val_check_interval}) must be <= the number of training batches "
-                f"({t.num_training_batches}); set check_val_every_n_epoch=None to count batches across epochs"
+                f"val_check_interval ({c.val_check_interval}) must be <= the number of training batches "
+                f"({total}); set check_val_every_n_epoch=None to count batches across epochs"
             )
-        return t.val_check_interval
+        return c.val_check_interval
 
     def val_epoch_due(self) -> bool:
-        n = self.trainer.check_val_every_n_epoch
-        return n is None or (self.trainer.current_epoch + 1) % n == 0
+        n = self.config.check_val_every_n_epoch
+        return n is None or (self.position.epoch + 1) % n == 0
 
     def validation_enabled(self, val_loaders: Sequence[Any]) -> bool:
         """Lightning's ``enable_validation``: a loader, a ``validation_step`` and ``limit_val_batches > 0``."""
-        return bool(val_loaders) and self.trainer.limit_val_batches != 0
+        return bool(val_loaders) and self.config.limit_val_batches != 0
 
     def should_validate(self, val_loaders: Sequence[Any], idx: int, total: int, every: int | float) -> bool:
         """Lightning's ``_should_check_val_fx`` after train batch ``idx`` (``total`` batches this run)."""
-        t = self.trainer
         if not self.validation_enabled(val_loaders) or not self.val_epoch_due():
             return False
-        if t.should_stop and self.can_stop_early():
+        if self.state.should_stop and self.can_stop_early():
             return True
         if every == math.inf:
             return False
-        current = total if t.check_val_every_n_epoch is None else idx + 1
+        current = total if self.config.check_val_every_n_epoch is None else idx + 1
         return current % every == 0
 
     def validate(self, val_loaders: Sequence[Any]) -> None:
-        t = self.trainer
-        pos = t.position
+        pos = self.position
         # Lightning logs in-fit validation at the step of the last optimizer update (before its counter moves)
         step = max(pos.global_step - (1 if pos.last_stepped else 0), 0)
-        limits = [batch_limit(t, VALIDATE, dl) for dl in val_loaders]
-        EvalLoop(t, VALIDATE).run(val_loaders, limits, in_fit=True, log_step=step)
+        limits = [batch_limit(self.config, VALIDATE, dl) for dl in val_loaders]
+        EvalLoop(self.parts, VALIDATE).run(val_loaders, limits, in_fit=True, log_step=step)
 
     def sanity_check(self, val_loaders: Sequence[Any]) -> None:
-        t = self.trainer
-        limits = [batch_limit(t, VALIDATE, dl) for dl in val_loaders]
-        steps = t.num_sanity_val_steps
+        hooks, reporter, state = self.parts.hooks, self.parts.reporter, self.state
+        limits = [batch_limit(self.config, VALIDATE, dl) for dl in val_loaders]
+        steps = self.config.num_sanity_val_steps
         limits = [n if steps == -1 else min(steps, n) for n in limits]
-        t.sanity_checking = True
+        state.sanity_checking = True
         try:
-            with t.reporter.discarding():
-                t.call_hook("on_sanity_check_start", module=False)
-                EvalLoop(t, VALIDATE).run(val_loaders, limits, in_fit=True, log=False)
-                t.call_hook("on_sanity_check_end", module=False)
-            t.reporter.reset_epoch("validate")
+            with reporter.discarding():
+                hooks.call("on_sanity_check_start", module=False)
+                EvalLoop(self.parts, VALIDATE).run(val_loaders, limits, in_fit=True, log=False)
+                hooks.call("on_sanity_check_end", module=False)
+            reporter.reset_epoch("validate")
         finally:
-            t.sanity_checking = False
-
-    def _module_readers(self) -> tuple[bool, bool]:
-        t = self.trainer
-        return t.hook_reads_module("on_train_batch_start"), t.hook_reads_module("on_train_batch_end")
+            state.sanity_checking = False
 
     # -- the loop ----------------------------------------------------------------------------
+    def fit(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
+        """The sanity check (unless ``num_sanity_val_steps=0``, or resuming inside an epoch, as in
+        Lightning), then :meth:`run`."""
+        if (
+            self.validation_enabled(val_loaders)
+            and self.config.num_sanity_val_steps != 0
+            and not self.position.resume_offset
+        ):
+            self.sanity_check(val_loaders)
+        self.run(train_loader, val_loaders)
+
     def run(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
-        t, engine, reporter, pos = self.trainer, self.trainer.engine, self.trainer.reporter, self.trainer.position
+        parts, config, state, pos = self.parts, self.config, self.state, self.position
+        hooks, engine, reporter = parts.hooks, parts.engine, parts.reporter
         if self.finished():
             return
-        t.training = True
-        k = t.accumulate_grad_batches
-        if t.num_training_batches == math.inf and k > 1:
+        state.training = True
+        k = config.accumulate_grad_batches
+        if state.num_training_batches == math.inf and k > 1:
             rank_zero_info(
                 f"jaxlight: the train loader has no length, so an epoch's last batch is not known in advance: "
                 f"with accumulate_grad_batches={k} a partial window at an epoch's end carries into the next "
                 f"epoch's first update (with a length, it steps at the epoch's end, as Lightning does)"
             )
         val_every = self.val_check_batch()
-        sync_start, sync_end = self._module_readers()
-        t.call_hook("on_train_start")
+        sync_start, sync_end = hooks.reads_module("on_train_batch_start"), hooks.reads_module("on_train_batch_end")
+        hooks.call("on_train_start")
         total_batches = pos.micro_batches
-        log_every = t.log_every_n_steps
+        log_every = config.log_every_n_steps
         ahead = RunAhead()
-        while not self.done() and (t.max_epochs == -1 or t.current_epoch < t.max_epochs):
-            start = pos.start_epoch()
+        while not self.done() and (config.max_epochs == -1 or pos.epoch < config.max_epochs):
+            start, n_batches = pos.start_epoch(), state.num_training_batches
             if not start:  # a mid-epoch resume continues the restored epoch accumulators
                 reporter.reset_epoch("train")
-                t.call_hook("on_train_epoch_start")  # Lightning: not again when resuming inside the epoch
-            fetcher = prefetcher(t, TRAIN, train_loader, t.num_training_batches, start, pos.take_resume_loader_state())
+                hooks.call("on_train_epoch_start")  # Lightning: not again when resuming inside the epoch
+            fetcher = prefetcher(parts, TRAIN, train_loader, n_batches, start, pos.take_resume_loader_state())
             ran_val_at_end = False  # validation ran after the last batch this epoch processed
             exhausted = True
             try:
                 for item in fetcher:
                     ran_val_at_end = False
                     batch, idx = item.batch, item.index
-                    t.batch_idx = idx
+                    state.batch_idx = idx
                     if sync_start:
                         engine.sync_module()
-                    if t.call_hook("on_train_batch_start", batch, idx) == -1:
+                    if hooks.call("on_train_batch_start", batch, idx) == -1:
                         exhausted = False
                         break
-                    is_last = t.num_training_batches != math.inf and idx + 1 >= t.num_training_batches
+                    is_last = n_batches != math.inf and idx + 1 >= n_batches
                     # Lightning steps on a partial accumulation window at the epoch's last batch
                     flush = _FLUSH if k > 1 and is_last else _NO_FLUSH
                     compiled = engine.compiled.get("train")
                     if compiled is None:
                         engine.batch_rows["train"] = item.rows
-                        compiled = engine.compile("train", engine.train_state, batch, step_index(idx), flush)
+                        compiled = engine.compile_train(engine.train_state, batch, step_index(idx), flush)
                         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
                     engine.train_state, outputs, logs = compiled(engine.train_state, batch, step_index(idx), flush)
                     ahead.push(outputs["loss"])
@@ -445,15 +522,15 @@ class FitLoop:
                     reporter.on_train_step(logs)
                     if sync_end:
                         engine.sync_module()
-                    t.call_hook("on_train_batch_end", outputs, batch, idx)
+                    hooks.call("on_train_batch_end", outputs, batch, idx)
                     # Lightning: logged when the update counter reaches the cadence, or when stopping
-                    if stepped and (t.global_step % log_every == 0 or t.should_stop):
+                    if stepped and (pos.global_step % log_every == 0 or state.should_stop):
                         reporter.publish_step()
                     if self.should_validate(val_loaders, idx, total_batches, val_every):
                         self.validate(val_loaders)
                         ran_val_at_end = True
                     if self.done():
-                        exhausted = idx + 1 >= t.num_training_batches
+                        exhausted = idx + 1 >= n_batches
                         break
             finally:
                 fetcher.close()  # the run-ahead bound spans epochs: one wait per step, RUN_AHEAD steps behind
@@ -476,25 +553,29 @@ class FitLoop:
             reporter.send(epoch_logged)
             pos.end_epoch()
         engine.sync_module()
-        t.call_hook("on_train_end")
+        hooks.call("on_train_end")
 
     def call_train_epoch_end(self) -> None:
         # Lightning: other callbacks, then the module, then monitoring callbacks
         # (checkpointing, early stopping) so they see what the module logged.
-        t = self.trainer
-        monitoring = [c for c in t.callbacks if c.is_monitoring_callback or c.is_checkpoint_callback]
-        others = [c for c in t.callbacks if c not in monitoring]
-        t.call_hook("on_train_epoch_end", callbacks=others)
-        t.call_hook("on_train_epoch_end", module=False, callbacks=monitoring)
+        hooks = self.parts.hooks
+        monitoring = [c for c in hooks.callbacks if c.is_monitoring_callback or c.is_checkpoint_callback]
+        others = [c for c in hooks.callbacks if c not in monitoring]
+        hooks.call("on_train_epoch_end", callbacks=others)
+        hooks.call("on_train_epoch_end", module=False, callbacks=monitoring)
 
 
 __all__ = [
+    "RUN_AHEAD",
     "STAGES",
     "EvalLoop",
     "FitLoop",
+    "LoopParts",
     "RunAhead",
+    "RunState",
     "batch_limit",
     "loader_for",
     "prefetcher",
+    "stage_run",
     "train_batches",
 ]

@@ -395,9 +395,6 @@ class LightningModule(HyperparametersMixin, ModelHooks, DataHooks):
         """Lightning's default: ``self(batch)``, i.e. ``forward`` (by default the module's only NNX model)."""
         return self(batch)
 
-    def _overrides(self, name: str) -> bool:
-        return getattr(type(self), name) is not getattr(LightningModule, name)
-
     # -- logging -----------------------------------------------------------
     def log(
         self,

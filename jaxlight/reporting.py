@@ -4,8 +4,10 @@ Values logged inside compiled steps arrive as device arrays (``MetricStore``,
 one per stage); values logged in host hooks arrive through a host-side
 ``Collector``. The reporter keeps Lightning's three views
 (``callback_metrics``, ``logged_metrics``, ``progress_bar_metrics``) and is
-the only place that fetches values to the host: every ``log_every_n_steps``
-train steps (:meth:`publish_step`) and at each epoch end (:meth:`publish_epoch`).
+the only place that fetches logged values to the host: every ``log_every_n_steps``
+train steps (:meth:`publish_step`) and at each epoch end (:meth:`epoch_values`).
+Callbacks that compute host values themselves log them through
+:meth:`log_metrics`, so every value reaches the loggers by one path.
 """
 
 from __future__ import annotations
@@ -232,6 +234,40 @@ class MetricReporter:
             step = max(trainer.global_step - 1, 0) if step is None else step
             LoggerCollection(trainer.loggers).log_metrics(out, step=step)
 
+    def finalize_loggers(self, status: str) -> None:
+        """The end of a run: every logger's ``finalize(status)`` on process 0. A logger failing there
+        raises after a successful run and is dropped after a failed one (the original error matters more)."""
+        trainer = self._trainer
+        if not (trainer.loggers and trainer.is_global_zero):
+            return
+        try:
+            LoggerCollection(trainer.loggers).finalize(status)
+        except Exception:
+            if status == "success":
+                raise
+
+    def log_hyperparams(self, module: Any, datamodule: Any = None) -> None:
+        """Send the module's ``hparams`` (and the datamodule's) to every logger on process 0, unless the
+        module turned it off (``save_hyperparameters(logger=False)``)."""
+        trainer = self._trainer
+        if not (trainer.loggers and trainer.is_global_zero and getattr(module, "_log_hyperparams", True)):
+            return
+        hp = dict(module.hparams)
+        if datamodule is not None and hasattr(datamodule, "hparams"):
+            hp.update(dict(datamodule.hparams))
+        if hp:
+            LoggerCollection(trainer.loggers).log_hyperparams(hp)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """The one logging path for host values a callback computed itself (throughput, learning rates).
+
+        ``metrics`` are host numbers; they are recorded in ``logged_metrics``
+        and handed to every logger on process 0 only, at ``step`` (default:
+        ``global_step - 1``, the train step that produced them), without
+        Lightning's ``epoch`` entry. Nothing is fetched from the device here.
+        """
+        self.send(metrics, step=step, add_epoch=False)
+
     # -- epochs and the sanity check ----------------------------------------------------
     def reset_epoch(self, stage: str) -> None:
         self.store(stage).reset_epoch()
@@ -271,3 +307,13 @@ class MetricReporter:
         store = MetricStore()
         store.load_state_dict(state)
         self.stores[stage] = store
+
+
+def print_results(title: str, metrics: Mapping[str, float]) -> None:
+    """The table ``validate``/``test`` print (``verbose=True``): one line per metric under ``title``."""
+    if not metrics:
+        return
+    w = max(len(k) for k in metrics)
+    print(f"{title} metrics:")
+    for k, v in metrics.items():
+        print(f"  {k.ljust(w)}  {v:.6g}")

@@ -2,8 +2,9 @@
 
 Everything that differs between train, validate, test and predict (the step
 method, the hook prefix, the loader method, the batch limit, the batch count
-attribute and the ``trainer.validating``-style flag) is read from here, so the
-loops never carry per-stage dict literals.
+attribute, the ``trainer.validating``-style flag and the Trainer attribute
+holding the stage's loaders) is read from here, so the
+loops, the engine and the step builder never carry per-stage dict literals.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Stage(NamedTuple):
     limit_attr: str  # ``limit_train_batches`` ...
     count_attr: str  # ``num_training_batches`` ...
     flag_attr: str  # ``training`` / ``validating`` ...
+    loaders_attr: str  # ``train_dataloader`` / ``val_dataloaders`` ... (the Trainer attribute holding them)
     title: str  # printed above the results table
 
 
@@ -34,6 +36,7 @@ TRAIN = Stage(
     "limit_train_batches",
     "num_training_batches",
     "training",
+    "train_dataloader",
     "Train",
 )
 VALIDATE = Stage(
@@ -45,10 +48,20 @@ VALIDATE = Stage(
     "limit_val_batches",
     "num_val_batches",
     "validating",
+    "val_dataloaders",
     "Validate",
 )
 TEST = Stage(
-    "test", "test", "test", "test_step", "test_dataloader", "limit_test_batches", "num_test_batches", "testing", "Test"
+    "test",
+    "test",
+    "test",
+    "test_step",
+    "test_dataloader",
+    "limit_test_batches",
+    "num_test_batches",
+    "testing",
+    "test_dataloaders",
+    "Test",
 )
 PREDICT = Stage(
     "predict",
@@ -59,10 +72,9 @@ PREDICT = Stage(
     "limit_predict_batches",
     "num_predict_batches",
     "predicting",
+    "predict_dataloaders",
     "Predict",
 )
 
 STAGES: dict[str, Stage] = {s.name: s for s in (TRAIN, VALIDATE, TEST, PREDICT)}
 """Stages by name."""
-
-EVAL_STAGES: tuple[Stage, ...] = (VALIDATE, TEST, PREDICT)

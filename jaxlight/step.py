@@ -34,18 +34,33 @@ from jaxlight.manual import ManualContext, ManualOptimizer, manual_context
 from jaxlight.metrics import Collector
 from jaxlight.optim import AccumulationState
 from jaxlight.precision import Precision
+from jaxlight.stages import STAGES
 from jaxlight.state import ModelParts, merge_models, rest_after
 from jaxlight.tracing import StepError, check_loss, explained_tracing_errors
 
 
 class TrainState(NamedTuple):
-    """Everything the compiled train step reads and writes."""
+    """Everything the compiled train step reads and writes (donated to it, so updated in place).
 
-    params: dict[str, jax.Array]  # the module's nnx.Param leaves, by path
-    model_state: dict[str, jax.Array]  # the module's other NNX variables (BatchNorm statistics, RNG counts)
-    opt_state: Any  # automatic: the optax state; manual: a tuple, one state per optimizer
-    callback_state: dict[str, Any]  # in-step state owned by callbacks (StepExtension), by callback name
-    step: jax.Array  # int32: optimizer updates applied so far (manual: train batches that stepped)
+    - ``params``: the module's ``nnx.Param`` arrays by flat path (``"net/linear/kernel"``), in the
+      precision's storage dtype, each in its strategy sharding; the only leaves that get gradients.
+    - ``model_state``: the module's other NNX variables by flat path (BatchNorm statistics, RNG
+      counters, any ``nnx.Variable`` that is not a parameter), updated by the forward pass.
+    - ``opt_state``: automatic optimization: the optax state of the one transformation
+      ``configure_optimizers`` built (an ``AccumulationState`` around it under
+      ``accumulate_grad_batches``); manual: a tuple, one optax state per optimizer. Leaves that mirror a
+      parameter take its sharding.
+    - ``callback_state``: in-step state owned by callbacks (a :class:`StepExtension`, e.g. EMA weights),
+      keyed by the extension's name; leaves that mirror a parameter take its sharding.
+    - ``step``: int32 scalar, optimizer updates applied so far (``trainer.global_step`` on the device;
+      manual optimization: train batches that stepped).
+    """
+
+    params: dict[str, jax.Array]
+    model_state: dict[str, jax.Array]
+    opt_state: Any
+    callback_state: dict[str, Any]
+    step: jax.Array
 
 
 # ----------------------------------------------------------------------------------------- outputs
@@ -125,7 +140,6 @@ class StepBuilder:
         body = self._manual_update if manual else self._update
         self.update = wrap_update(body) if wrap_update is not None else body
         self.log_specs: dict[str, dict] = {}
-        self.optimizer_steps_per_batch: int | None = None  # manual: opt.step calls traced into the step
 
     def _rows(self, batch: Any) -> int | None:
         leaves = jax.tree.leaves(batch)
@@ -216,7 +230,6 @@ class StepBuilder:
                 out = self.module.training_step(self.precision.compute(batch), batch_idx)
                 ctx.sync_rest()
         self.log_specs["train"] = col.specs
-        self.optimizer_steps_per_batch = ctx.steps
         if out is None:  # Lightning allows it in manual optimization
             loss = ctx.last_loss if ctx.last_loss is not None else jnp.float32(jnp.nan)
             extras: dict[str, Any] = {}
@@ -244,7 +257,7 @@ class StepBuilder:
         prec = self.precision
         models = self._models(params, rest, train=False)
         col = Collector(stage, self._rows(batch), on_step=False, on_epoch=True)
-        method = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}[stage]
+        method = STAGES[stage].step_method
         with self.module._bound(models, col), explained_tracing_errors(type(self.module).__name__, method):
             out = getattr(self.module, method)(prec.compute(batch), batch_idx)
         self.log_specs[stage] = col.specs

@@ -1,11 +1,13 @@
-"""The Trainer: Lightning's arguments, hook dispatch and the public fit/validate/test/predict.
+"""The Trainer: Lightning's facade over the config, the hooks, the engine and the loops.
 
-Read top to bottom: ``__init__`` checks every argument before any work;
-``fit`` attaches the module, lets the :class:`~jaxlight.engine.Engine` create
-its state on the mesh and place the optimizer, then runs the
-:class:`~jaxlight.loops.FitLoop`; ``validate``/``test``/``predict`` run the
-:class:`~jaxlight.loops.EvalLoop`. Hooks go through :meth:`Trainer.call_hook`
-in Lightning's order: callbacks first, then the module. Logged values travel
+Read top to bottom: ``__init__`` checks every argument before any work
+(:class:`~jaxlight.config.TrainerConfig`), then resolves the strategy, the
+mesh and the callbacks; ``fit`` attaches the module, lets the
+:class:`~jaxlight.engine.Engine` create its state on the mesh and place the
+optimizer, then runs the :class:`~jaxlight.loops.FitLoop`;
+``validate``/``test``/``predict`` run the :class:`~jaxlight.loops.EvalLoop`.
+Hooks go through the :class:`~jaxlight.hooks.HookCaller` (``call_hook``) in
+Lightning's order: callbacks first, then the module. Logged values travel
 through the :class:`~jaxlight.reporting.MetricReporter`; the fit loop's
 counters live in :class:`~jaxlight.position.LoopPosition`.
 """
@@ -17,31 +19,31 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import jax
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.callbacks.model_summary import ModelSummary
 from jaxlight.callbacks.progress import TQDMProgressBar
-from jaxlight.callbacks.timer import Timer
 from jaxlight.checkpoint import find_last_checkpoint, restore_logger_states
 from jaxlight.compile_cache import configure_compile_cache
+from jaxlight.config import ConfigAttributes, TrainerConfig
 from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
+from jaxlight.hooks import HookCaller, check_callbacks, overrides, with_default_callbacks, with_scheduler_stepper
 from jaxlight.imports import sync_rank
-from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger, LoggerCollection
-from jaxlight.loops import EvalLoop, FitLoop, batch_limit, loader_for, train_batches
+from jaxlight.loops import EvalLoop, FitLoop, LoopParts, batch_limit, loader_for, stage_run, train_batches
 from jaxlight.module import LightningModule
 from jaxlight.optim import configure as configure_optimizer
 from jaxlight.position import LoopPosition
-from jaxlight.precision import resolve_precision
-from jaxlight.reporting import MetricReporter
-from jaxlight.stages import STAGES, TRAIN
+from jaxlight.reporting import MetricReporter, print_results
+from jaxlight.stages import STAGES, TRAIN, VALIDATE
 from jaxlight.step import TrainState
 from jaxlight.strategies.auto import AutoStrategy
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
@@ -50,50 +52,7 @@ from jaxlight.summary import summarize
 __all__ = ["MisconfigurationError", "Trainer"]
 
 
-def _check_limit(name: str, value: int | float | None) -> int | float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MisconfigurationError(f"{name} must be an int or a float in [0, 1], got {value!r}")
-    if isinstance(value, float) and not (0.0 <= value <= 1.0):
-        raise MisconfigurationError(f"{name}={value} as a float must be within [0.0, 1.0]")
-    if isinstance(value, int) and value < 0:
-        raise MisconfigurationError(f"{name}={value} must be >= 0")
-    return value
-
-
-def _resolve_devices(devices: Any) -> list[Any]:
-    local = jax.local_devices()
-    if devices in ("auto", -1, None):
-        picked = local
-    elif isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise MisconfigurationError(f"devices={devices} must be >= 1, -1 or 'auto'")
-        if devices > len(local):
-            raise MisconfigurationError(
-                f"devices={devices} requested but only {len(local)} {local[0].platform} device(s) are available "
-                f"to this process"
-            )
-        picked = local[:devices]
-    elif isinstance(devices, (list, tuple)):
-        ids = list(devices)
-        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < len(local))]
-        if bad:
-            raise MisconfigurationError(f"devices={ids}: indices {bad} do not exist ({len(local)} local devices)")
-        picked = [local[i] for i in ids]
-    else:
-        raise MisconfigurationError(f"devices must be an int, a list of device indices, -1 or 'auto', got {devices!r}")
-    if jax.process_count() == 1:
-        return picked
-    # Every process contributes the same number of local devices to one global mesh.
-    n = len(picked)
-    by_proc: dict[int, list[Any]] = collections.defaultdict(list)
-    for d in jax.devices():
-        by_proc[d.process_index].append(d)
-    return [d for p in sorted(by_proc) for d in by_proc[p][:n]]
-
-
-class Trainer:
+class Trainer(ConfigAttributes):
     """Runs a LightningModule: fit, validate, test, predict, on a device mesh.
 
     Arguments keep PyTorch Lightning's names and meanings. Guarantees: one
@@ -101,7 +60,8 @@ class Trainer:
     state is donated (updated in place); no host sync per step beyond a
     bounded run-ahead of four steps, with logged values fetched only every
     ``log_every_n_steps`` and at epoch end; bad arguments raise before any
-    work starts, with the numbers.
+    work starts, with the numbers. Each argument is readable under its name
+    (``trainer.max_epochs``), from ``trainer.config``.
     """
 
     def __init__(
@@ -143,153 +103,34 @@ class Trainer:
         compile_cache: bool | str | os.PathLike | None = None,
         device_memory: int | str | None = None,
     ) -> None:
-        if accelerator not in ("auto", "cpu", "gpu", "cuda", "tpu"):
-            raise MisconfigurationError(f"accelerator={accelerator!r}; choose 'auto', 'cpu', 'gpu' or 'tpu'")
-        if accelerator not in ("auto",) and jax.default_backend() != {"cuda": "gpu"}.get(accelerator, accelerator):
-            raise MisconfigurationError(f"accelerator={accelerator!r} but JAX's backend is {jax.default_backend()!r}")
-        self.precision_plugin = resolve_precision(precision)
-        self.precision = self.precision_plugin.name
-        self.strategy = resolve_strategy(strategy)
+        arguments = dict(locals())
+        for name in ("self", "strategy", "callbacks"):  # the objects the Trainer owns itself
+            del arguments[name]
+        self.config: TrainerConfig = TrainerConfig.from_arguments(**arguments)
+        parsed = resolve_strategy(strategy)
         # strategy="auto": the layout is chosen by memory at the start of fit (jaxlight/strategies/auto.py)
         self.auto_strategy = AutoStrategy.for_trainer(strategy, device_memory)
-        self._devices = _resolve_devices(devices)
-        if num_nodes != 1 and num_nodes != jax.process_count():
-            raise MisconfigurationError(
-                f"num_nodes={num_nodes} but jax.distributed reports {jax.process_count()} processes"
-            )
-        self.mesh = self.strategy.build_mesh(self._devices)
-        self.engine = Engine(self.strategy, self.mesh, self.precision_plugin)
-
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise MisconfigurationError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        if gradient_clip_algorithm not in (None, "norm", "value"):
-            raise MisconfigurationError(
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'"
-            )
-        if gradient_clip_val is not None and gradient_clip_val < 0:
-            raise MisconfigurationError(f"gradient_clip_val must be >= 0, got {gradient_clip_val}")
-        if ragged_batches not in ("error", "drop"):
-            raise MisconfigurationError(f"ragged_batches={ragged_batches!r}; choose 'error' or 'drop'")
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
-        self.ragged_batches = ragged_batches
-        self.process_local_batches = process_local_batches
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise MisconfigurationError(
-                f"prefetch must be an int >= 0 (batches read ahead on a background thread; 0 reads them inline), "
-                f"got {prefetch!r}"
-            )
-        self.prefetch = prefetch
+        self._devices = list(self.config.devices)
+        self.engine = Engine(parsed, parsed.build_mesh(self._devices), self.config.precision)
         self.compile_cache = configure_compile_cache(compile_cache)
-        self.deterministic = bool(deterministic)
         sync_rank()  # lightning-utilities' rank_zero_* helpers follow JAX's process index
         if seed is not None:
             from jaxlight.seed import seed_everything
 
             seed_everything(seed)
-        self.seed = seed
-        if self.deterministic and jax.default_backend() == "gpu":
-            flags = os.environ.get("XLA_FLAGS", "")
-            if "xla_gpu_deterministic_ops" not in flags:
-                raise MisconfigurationError(
-                    "deterministic=True on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true set before JAX starts"
-                )
-
-        # fast_dev_run: n batches of each stage, no sanity check, no loggers or checkpoints.
-        if fast_dev_run is True:
-            fast_dev_run = 1
-        if isinstance(fast_dev_run, int) and fast_dev_run < 0:
-            raise MisconfigurationError(f"fast_dev_run={fast_dev_run} must be >= 0 or a bool")
-        self.fast_dev_run = int(fast_dev_run)
-        if self.fast_dev_run:
-            n = self.fast_dev_run
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
-            max_steps, max_epochs, num_sanity_val_steps = n, 1, 0
-            val_check_interval, check_val_every_n_epoch = 1.0, 1
-            logger, enable_checkpointing = False, False
-
-        self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
-        if max_epochs is None:
-            max_epochs = 1000 if max_steps == -1 and max_time is None else -1
-        if max_steps is None or max_steps < -1:
-            raise MisconfigurationError(f"max_steps must be -1 (no limit) or >= 0, got {max_steps}")
-        self.max_epochs = max_epochs
-        self.min_epochs = min_epochs or 0
-        self.max_steps = max_steps
-        self.min_steps = min_steps or 0
-        if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
-            raise MisconfigurationError(
-                f"val_check_interval={val_check_interval} is a fraction of an epoch, but check_val_every_n_epoch=None "
-                f"counts batches across epochs: pass an int number of batches"
-            )
-        if val_check_interval is None:
-            val_check_interval = 1.0
-        if isinstance(val_check_interval, float) and not (0.0 < val_check_interval <= 1.0):
-            raise MisconfigurationError(f"val_check_interval={val_check_interval} as a float must be in (0, 1]")
-        if isinstance(val_check_interval, int) and val_check_interval < 1:
-            raise MisconfigurationError(f"val_check_interval={val_check_interval} as an int must be >= 1")
-        self.val_check_interval = val_check_interval
-        if check_val_every_n_epoch is not None and check_val_every_n_epoch < 1:
-            raise MisconfigurationError(f"check_val_every_n_epoch must be >= 1 or None, got {check_val_every_n_epoch}")
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
-        self.log_every_n_steps = 50 if log_every_n_steps is None else log_every_n_steps
-        if self.log_every_n_steps < 1:
-            raise MisconfigurationError(f"log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
-        self.enable_model_summary = True if enable_model_summary is None else enable_model_summary
-        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-
-        # callbacks
-        if callbacks is None:
-            cbs: list[Callback] = []
-        elif isinstance(callbacks, Callback):
-            cbs = [callbacks]
-        else:
-            cbs = list(callbacks)
-        for cb in cbs:
-            if not isinstance(cb, Callback):
-                raise MisconfigurationError(f"callbacks must be jaxlight.Callback instances, got {type(cb).__name__}")
-        if enable_progress_bar is not False and not any(isinstance(c, TQDMProgressBar) for c in cbs):
-            cbs.append(TQDMProgressBar())
-        if enable_progress_bar is False:
-            cbs = [c for c in cbs if not isinstance(c, TQDMProgressBar)]
-        if max_time is not None:
-            cbs = [c for c in cbs if not isinstance(c, Timer)] + [Timer(max_time, interval="step")]
-        self.enable_checkpointing = enable_checkpointing is not False
-        if self.enable_checkpointing:
-            cbs = self._add_default_checkpoint(cbs)
-        if not self.fast_dev_run:
-            cbs = self._add_default_preemption(cbs)
-        self.callbacks: list[Callback] = _checkpoint_callbacks_last(cbs)
-
-        # loggers
-        if logger is None or logger is True:
-            self.loggers: list[Logger] = [CSVLogger(self.default_root_dir)]
-        elif logger is False:
-            self.loggers = []
-        elif isinstance(logger, Logger):
-            self.loggers = [logger]
-        else:
-            self.loggers = list(logger)
-            for lg in self.loggers:
-                if not isinstance(lg, Logger):
-                    raise MisconfigurationError(f"logger must be a jaxlight Logger, got {type(lg).__name__}")
 
         # run state
         self.position = LoopPosition()
         self.reporter = MetricReporter(self)
+        self.hooks = HookCaller(self, self.reporter, with_default_callbacks(check_callbacks(callbacks), self.config))
+        self.loggers: list[Logger] = list(self.config.loggers)
         self.should_stop = False
         self.sanity_checking = False
         self.training = self.validating = self.testing = self.predicting = False
         self.num_training_batches: int | float = math.inf
-        self.num_val_batches: int | float = 0
-        self.num_test_batches: int | float = 0
-        self.num_predict_batches: int | float = 0
-        self.lightning_module: LightningModule | None = None
+        self.num_val_batches: int | float | list = 0  # a list, one count per loader, with several loaders
+        self.num_test_batches: int | float | list = 0
+        self.num_predict_batches: int | float | list = 0
         self.datamodule: LightningDataModule | None = None
         self.batch_idx = 0
         self.ckpt_path: str | None = None  # the checkpoint this run restored from (Lightning's name)
@@ -297,10 +138,29 @@ class Trainer:
         self.val_dataloaders: Any = None
         self.test_dataloaders: Any = None
         self.predict_dataloaders: Any = None
-        self._hooks: dict[str, tuple[list[Callback], bool]] = {}
-        self._module_readers: set[str] = set()
 
     # ------------------------------------------------------------------ props
+    @property
+    def strategy(self) -> Strategy:
+        """The layout in use (for ``strategy="auto"``, the one fit picked)."""
+        return self.engine.strategy
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.engine.mesh
+
+    @property
+    def callbacks(self) -> list[Callback]:
+        return self.hooks.callbacks
+
+    @callbacks.setter
+    def callbacks(self, value: list[Callback]) -> None:
+        self.hooks.callbacks = list(value)
+
+    @property
+    def lightning_module(self) -> LightningModule | None:
+        return self.hooks.module
+
     @property
     def is_global_zero(self) -> bool:
         return jax.process_index() == 0
@@ -356,25 +216,17 @@ class Trainer:
 
     @property
     def estimated_stepping_batches(self) -> int | float:
-        """Optimizer steps ``fit`` will take, computed as Lightning does (available in ``configure_optimizers``).
-
-        ``ceil(num_training_batches / accumulate_grad_batches) * max_epochs``
-        (the ceil counts the partial accumulation window that steps at each
-        epoch's end), capped by ``max_steps``; ``max_steps`` when the epoch
-        length is unknown or ``max_epochs=-1`` (``inf`` if neither is set).
-        """
-        if self.max_epochs == -1:
-            return math.inf if self.max_steps == -1 else self.max_steps
-        total = self.num_training_batches
-        if total == math.inf:
-            if self.lightning_module is None or self.train_dataloader is None:
-                raise MisconfigurationError(
-                    "estimated_stepping_batches needs the train loader: read it during fit (e.g. in "
-                    "configure_optimizers)"
-                )
-            return self.max_steps
-        steps = math.ceil(total / self.accumulate_grad_batches) * max(self.max_epochs, 1)
-        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+        """Optimizer steps ``fit`` will take, counted as Lightning does (available in ``configure_optimizers``):
+        :meth:`TrainerConfig.stepping_batches` of ``num_training_batches``; ``max_steps`` when the epoch
+        length is unknown."""
+        steps = self.config.stepping_batches(self.num_training_batches)
+        if steps is not None:
+            return steps
+        if self.lightning_module is None or self.train_dataloader is None:
+            raise MisconfigurationError(
+                "estimated_stepping_batches needs the train loader: read it during fit (e.g. in configure_optimizers)"
+            )
+        return self.max_steps
 
     @property
     def callback_metrics(self) -> dict[str, Any]:
@@ -422,81 +274,26 @@ class Trainer:
         cbs = self.checkpoint_callbacks
         return cbs[0] if cbs else None
 
-    def _add_default_checkpoint(self, cbs: list[Callback]) -> list[Callback]:
-        from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
-
-        if not any(isinstance(c, ModelCheckpoint) for c in cbs):
-            cbs = [*cbs, ModelCheckpoint()]
-        return cbs
-
-    def _add_default_preemption(self, cbs: list[Callback]) -> list[Callback]:
-        from jaxlight.callbacks.preemption import Preemption
-
-        return cbs if any(isinstance(c, Preemption) for c in cbs) else [*cbs, Preemption()]
-
     # ------------------------------------------------------------------ hooks
-    def _build_hook_table(self) -> None:
-        """Per hook, the callbacks that implement it and whether the module does: the dispatch
-        below then never calls a no-op (this runs twice per step on the train path)."""
-        self._hooks = {}
-        module = self.lightning_module
-        for name, fn in vars(Callback).items():
-            if name.startswith("_") or not callable(fn):
-                continue
-            cbs = [c for c in self.callbacks if name in vars(c) or getattr(type(c), name) is not fn]
-            impl = getattr(type(module), name, None) if module is not None else None
-            mod = module is not None and (name in vars(module) or impl is not getattr(LightningModule, name, None))
-            self._hooks[name] = (cbs, mod and hasattr(module, name))
-        # Hooks whose user code may read the module's NNX attributes between train steps (the step donates
-        # the arrays they point at): the loop re-points them at the new state before calling these only.
-        self._module_readers = set()
-        saving = any(_user_code(c.on_save_checkpoint) for c in self._hooks["on_save_checkpoint"][0])
-        saving |= module is not None and self._hooks["on_save_checkpoint"][1]
-        for name in ("on_train_batch_start", "on_train_batch_end"):
-            cbs, mod = self._hooks[name]
-            user = any(_user_code(getattr(c, name)) for c in cbs) or (mod and _user_code(getattr(module, name)))
-            if user or (saving and cbs):
-                self._module_readers.add(name)
-
     def hook_reads_module(self, hook: str) -> bool:
-        """Whether a user's implementation of per-batch ``hook`` runs this fit (so the loop points the
-        module's attributes at the current train state first; jaxlight's own callbacks never read them)."""
-        return hook in self._module_readers
+        """Whether user code implementing per-batch ``hook`` runs this fit (:meth:`HookCaller.reads_module`)."""
+        return self.hooks.reads_module(hook)
 
     def call_hook(self, hook: str, *args: Any, module: bool = True, callbacks: Sequence[Callback] | None = None) -> Any:
         """Call ``hook`` on the callbacks (those given, or every one that implements it), then on the
-        module; host-side ``self.log`` calls made inside take the hook's defaults. Returns the module's
-        result."""
-        table = self._hooks.get(hook)
-        if table is None:
-            cbs, mod = list(self.callbacks), hasattr(self.lightning_module, hook)
-        else:
-            cbs, mod = table
-        if callbacks is not None:
-            cbs = [c for c in callbacks if c in cbs or table is None]
-        run_module = module and mod and self.lightning_module is not None
-        if not cbs and not run_module:
-            return None  # nothing implements it: no bookkeeping (the train loop asks twice per step)
-        reporter = self.reporter
-        result = None
-        with reporter.in_hook(hook):
-            for cb in cbs:
-                getattr(cb, hook)(self, self.lightning_module, *args)
-                reporter.flush_host_logs()
-            if run_module:
-                result = getattr(self.lightning_module, hook)(*args)
-                reporter.flush_host_logs()
-        return result
+        module (:meth:`HookCaller.call`); returns the module's result."""
+        return self.hooks.call(hook, *args, module=module, callbacks=callbacks)
 
     def call_module_hook(self, hook: str, *args: Any) -> Any:
         """Call a module-only hook (``configure_optimizers``, ``on_validation_model_eval`` ...)."""
-        with self.reporter.in_hook(hook):
-            out = getattr(self.lightning_module, hook)(*args)
-            self.reporter.flush_host_logs()
-            return out
+        return self.hooks.call_module(hook, *args)
+
+    def _loop_parts(self) -> LoopParts:
+        return LoopParts(self.config, self.hooks, self.engine, self.reporter, self.position, self)
 
     # ---------------------------------------------------------------- run wrapper
-    def _attach(self, model: LightningModule, datamodule: LightningDataModule | None) -> None:
+    @contextlib.contextmanager
+    def _run(self, stage: str, model: LightningModule, datamodule: LightningDataModule | None) -> Iterator[None]:
         if not isinstance(model, LightningModule):
             raise MisconfigurationError(f"model must be a jaxlight.LightningModule, got {type(model).__name__}")
         if datamodule is not None and not isinstance(datamodule, LightningDataModule):
@@ -504,64 +301,15 @@ class Trainer:
                 f"datamodule must be a jaxlight.LightningDataModule, got {type(datamodule).__name__}"
             )
         self.engine.attach(model)
-        self.lightning_module = model
         model.trainer = self
         if datamodule is not None:
             self.datamodule = datamodule
             datamodule.trainer = self
-        extra = model.configure_callbacks()
-        extra = [extra] if isinstance(extra, Callback) else list(extra or [])
-        if extra:
-            kinds = {type(c) for c in extra}
-            self.callbacks = _checkpoint_callbacks_last([c for c in self.callbacks if type(c) not in kinds] + extra)
-        self._build_hook_table()
-
-    @contextlib.contextmanager
-    def _run(self, stage: str, model: LightningModule, datamodule: LightningDataModule | None) -> Iterator[None]:
-        self._attach(model, datamodule)
-        self.reporter.stage = stage
-        setup_stage = STAGES[stage].fn
-        status = "success"
-        try:
-            if self.datamodule is not None and self.is_global_zero:
-                self.datamodule.prepare_data()
-            if self.is_global_zero:
-                self.call_module_hook("prepare_data")
-            if self.datamodule is not None:
-                self.datamodule.setup(setup_stage)
-            self.call_hook("setup", setup_stage)
-            self.reporter.reset()  # Lightning: every run starts with empty metric views
+        self.hooks.attach(model)
+        # late-bound: strategy="auto" replaces the engine during fit
+        sync = lambda: self.engine.sync_module()
+        with stage_run(STAGES[stage], self.hooks, self.reporter, self, self.datamodule, sync):
             yield
-        except BaseException as e:
-            status = "failed"
-            if stage == "train":
-                try:  # leave the module usable with the last completed step's weights
-                    self.engine.sync_module()
-                except Exception:
-                    pass  # e.g. the state was donated to the failed step
-            for cb in self.callbacks:
-                try:
-                    cb.on_exception(self, self.lightning_module, e)
-                except Exception:
-                    pass  # the original error matters more
-            if hasattr(self.lightning_module, "on_exception"):
-                try:
-                    self.lightning_module.on_exception(e)  # type: ignore[union-attr]
-                except Exception:
-                    pass
-            raise
-        finally:
-            if self.loggers and self.is_global_zero:
-                try:
-                    LoggerCollection(self.loggers).finalize(status)
-                except Exception:
-                    if status == "success":
-                        raise
-            if self.datamodule is not None:
-                self.datamodule.teardown(setup_stage)
-            self.call_hook("teardown", setup_stage)
-            self.reporter.stage = "train"
-            self.training = self.validating = self.testing = self.predicting = False
 
     # ---------------------------------------------------------------- fit
     def fit(
@@ -591,11 +339,11 @@ class Trainer:
         with self._run("train", model, datamodule):
             self.should_stop = False
             # val before train: Lightning's order (sanity check first); both before any work is done
-            val_loaders = split_loaders(loader_for(self, STAGES["validate"], val_dataloaders))
-            train_loader = loader_for(self, TRAIN, train_dataloaders)
+            val_loaders = split_loaders(loader_for(VALIDATE, val_dataloaders, self.datamodule, model))
+            train_loader = loader_for(TRAIN, train_dataloaders, self.datamodule, model)
             if train_loader is None:
                 raise MisconfigurationError("fit needs train_dataloaders, a datamodule or model.train_dataloader()")
-            if val_loaders and not model._overrides("validation_step"):
+            if val_loaders and not overrides(model, "validation_step"):
                 # Lightning: a val loader without validation_step skips validation, with a warning
                 warnings.warn(
                     f"{type(model).__name__} has a val dataloader but no validation_step; skipping validation",
@@ -605,7 +353,7 @@ class Trainer:
             self.train_dataloader = train_loader
             self.val_dataloaders = (val_loaders[0] if len(val_loaders) == 1 else val_loaders) or None
             # known before configure_optimizers, so a schedule can be sized (estimated_stepping_batches)
-            self.num_training_batches = train_batches(self, train_loader)
+            self.num_training_batches = train_batches(self.config, train_loader)
             if self.loggers and self.is_global_zero:
                 if ckpt_path is not None and (ckpt_path != "last" or find_last_checkpoint(self) is not None):
                     restore_logger_states(self, ckpt_path)  # a resumed run keeps logging into its own runs
@@ -613,8 +361,7 @@ class Trainer:
             if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (strategies/auto.py)
                 chosen = self.auto_strategy.choose(self, self._devices, train_loader)
                 if chosen != self.strategy:
-                    self.strategy, self.mesh = chosen, chosen.build_mesh(self._devices)
-                    self.engine = Engine(chosen, self.mesh, self.precision_plugin)
+                    self.engine = Engine(chosen, chosen.build_mesh(self._devices), self.config.precision)
                     self.engine.attach(model)
             self.engine.setup_model()
             optimizer = configure_optimizer(
@@ -623,16 +370,10 @@ class Trainer:
                 gradient_clip_algorithm=self.gradient_clip_algorithm,
                 accumulate_grad_batches=self.accumulate_grad_batches,
             )
-            # -- LP2 (issue 11): plateau and epoch-interval schedulers are stepped on the host by a callback,
-            # placed first so LearningRateMonitor reads the rates it sets.
-            from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
-
-            others = [c for c in self.callbacks if not isinstance(c, LRSchedulerStepper)]
-            stepper = [LRSchedulerStepper()] if optimizer.host_stepped else []
-            if stepper or len(others) != len(self.callbacks):
-                self.callbacks = _checkpoint_callbacks_last(stepper + others)
-                self._build_hook_table()
-            # -- end LP2
+            cbs = with_scheduler_stepper(self.callbacks, optimizer.host_stepped)  # plateau schedules step on the host
+            if cbs is not None:
+                self.callbacks = cbs
+                self.hooks.build()
             self.engine.setup_training(optimizer, self.callbacks, self, self.global_step)
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage="fit")
@@ -640,35 +381,14 @@ class Trainer:
                 from jaxlight.checkpoint import check_hparams
 
                 check_hparams(model, self.datamodule)  # fail now, not at the first save an epoch later
-            if self.loggers and self.is_global_zero and getattr(model, "_log_hyperparams", True):
-                hp = dict(model.hparams)
-                if self.datamodule is not None and hasattr(self.datamodule, "hparams"):
-                    hp.update(dict(self.datamodule.hparams))
-                if hp:
-                    LoggerCollection(self.loggers).log_hyperparams(hp)
-            from jaxlight.callbacks.model_summary import ModelSummary  # a ModelSummary callback prints instead
-
-            if (
-                self.enable_model_summary
-                and self.is_global_zero
-                and not any(isinstance(c, ModelSummary) for c in self.callbacks)
-            ):
+            self.reporter.log_hyperparams(model, self.datamodule)
+            printed = any(isinstance(c, ModelSummary) for c in self.callbacks)  # the callback prints instead
+            if self.enable_model_summary and self.is_global_zero and not printed:
                 assert self.train_state is not None
                 print(summarize(self.train_state.params, self.train_state.opt_state, self.mesh))
-            before = self.engine.module_leaves()
-            self.call_hook("on_fit_start")
-            after = self.engine.module_leaves()
-            if len(before) != len(after) or any(a is not b for a, b in zip(before, after)):
-                # the user loaded weights into the module (Lightning users do it in on_fit_start): train those
-                self.engine.adopt_module_edits()
-            loop = FitLoop(self)
-            if (
-                loop.validation_enabled(val_loaders)
-                and self.num_sanity_val_steps != 0
-                and not self.position.resume_offset
-            ):
-                loop.sanity_check(val_loaders)  # Lightning: not when resuming inside an epoch
-            loop.run(train_loader, val_loaders)
+            with self.engine.adopting_module_edits():  # Lightning users load weights in on_fit_start
+                self.call_hook("on_fit_start")
+            FitLoop(self._loop_parts()).fit(train_loader, val_loaders)
             self.call_hook("on_fit_end")
         for cb in self.callbacks:
             cb.wait_until_finished()
@@ -698,12 +418,7 @@ class Trainer:
     def eval_params(self) -> dict[str, jax.Array]:
         """Parameters evaluation runs on: the trained ones, or a callback's (e.g. EMA) when it provides them."""
         assert self.train_state is not None
-        params = self.train_state.params
-        for cb in self.callbacks:
-            alt = cb.eval_params(self, params)
-            if alt is not None:
-                params = alt
-        return params
+        return self.hooks.eval_params(self.train_state.params)
 
     # ---------------------------------------------------------------- validate / test / predict
     def _run_eval(
@@ -713,6 +428,7 @@ class Trainer:
         dataloaders: Any,
         ckpt_path: str | None,
         datamodule: LightningDataModule | None,
+        verbose: bool = False,
     ) -> Any:
         if model is None:
             model = self.lightning_module
@@ -721,17 +437,13 @@ class Trainer:
         if isinstance(dataloaders, LightningDataModule):
             datamodule, dataloaders = dataloaders, None
         st = STAGES[stage]
-        if stage != "predict" and not model._overrides(st.step_method):  # predict_step has a default
+        if stage != "predict" and not overrides(model, st.step_method):  # predict_step has a default
             raise MisconfigurationError(f"{stage}() needs {type(model).__name__}.{st.step_method}(batch, batch_idx)")
         with self._run(stage, model, datamodule):
-            loaders = split_loaders(loader_for(self, st, dataloaders))
+            loaders = split_loaders(loader_for(st, dataloaders, self.datamodule, model))
             if not loaders:
                 raise MisconfigurationError(f"{stage}() needs dataloaders, a datamodule or the module's loader method")
-            setattr(
-                self,
-                f"{st.hook if stage != 'validate' else 'val'}_dataloaders",
-                loaders[0] if len(loaders) == 1 else loaders,
-            )
+            setattr(self, st.loaders_attr, loaders[0] if len(loaders) == 1 else loaders)
             self.engine.setup_model()
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage=stage)
@@ -739,19 +451,13 @@ class Trainer:
                 # the user may have edited the module since fit: evaluate what it holds now
                 params, rest = self.engine.read_module()
                 self.train_state = self.train_state._replace(params=params, model_state=rest)
-            limits = [batch_limit(self, st, dl) for dl in loaders]
+            limits = [batch_limit(self.config, st, dl) for dl in loaders]
             # Lightning logs a standalone evaluation at the count of optimizer steps taken so far
-            out = EvalLoop(self, st).run(loaders, limits, log_step=self.global_step)
-        return out
-
-    def _evaluate(
-        self, stage: str, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool, datamodule: Any
-    ) -> list[dict[str, float]]:
-        results = self._run_eval(stage, model, dataloaders, ckpt_path, datamodule)
+            out = EvalLoop(self._loop_parts(), st).run(loaders, limits, log_step=self.global_step)
         if verbose and self.is_global_zero:
-            for i, metrics in enumerate(results):
-                _print_results(STAGES[stage].title + (f" (dataloader {i})" if len(results) > 1 else ""), metrics)
-        return results
+            for i, metrics in enumerate(out):
+                print_results(st.title + (f" (dataloader {i})" if len(out) > 1 else ""), metrics)
+        return out
 
     def validate(
         self,
@@ -763,7 +469,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run one validation epoch; returns the epoch-level logged metrics, one dict per loader
         (``[{metric: value}]`` for one loader; ``[]`` when ``limit_val_batches`` leaves no batch)."""
-        return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._run_eval("validate", model, dataloaders, ckpt_path, datamodule, verbose)
 
     def test(
         self,
@@ -775,7 +481,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run one test epoch; returns the epoch-level logged metrics, one dict per loader
         (``[{metric: value}]`` for one loader; ``[]`` when ``limit_test_batches`` leaves no batch)."""
-        return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._run_eval("test", model, dataloaders, ckpt_path, datamodule, verbose)
 
     def predict(
         self,
@@ -790,25 +496,3 @@ class Trainer:
         exactly one output row per sample."""
         preds = self._run_eval("predict", model, dataloaders, ckpt_path, datamodule)
         return preds if return_predictions is not False else None
-
-
-def _user_code(fn: Any) -> bool:
-    """Whether ``fn`` (a bound method or a function) was written outside jaxlight."""
-    fn = getattr(fn, "__func__", fn)
-    module = getattr(fn, "__module__", None)
-    return not (isinstance(module, str) and (module == "jaxlight" or module.startswith("jaxlight.")))
-
-
-def _checkpoint_callbacks_last(cbs: list[Callback]) -> list[Callback]:
-    """Lightning runs checkpoint callbacks after all others at every hook, so a checkpoint holds the
-    other callbacks' state as updated by the same hook (e.g. EarlyStopping's wait count)."""
-    return [c for c in cbs if not c.is_checkpoint_callback] + [c for c in cbs if c.is_checkpoint_callback]
-
-
-def _print_results(title: str, metrics: Mapping[str, float]) -> None:
-    if not metrics:
-        return
-    w = max(len(k) for k in metrics)
-    print(f"{title} metrics:")
-    for k, v in metrics.items():
-        print(f"  {k.ljust(w)}  {v:.6g}")

@@ -34,7 +34,7 @@ class NonFiniteGuard(Callback):
     contributes a zero gradient to its window instead, so update boundaries
     stay aligned with ``global_step``; ``self.skipped`` lists them. Either way nothing continues
     silently. The values are read after the trainer's bounded run-ahead wait
-    has already synced their step (at most ``jaxlight.loops.RUN_AHEAD`` = 4 steps behind the host), and
+    has already synced their step (at most ``jaxlight.config.RUN_AHEAD`` = 4 steps behind the host), and
     the last steps are checked at epoch and train end, so a stop happens at
     most that many steps after the bad one but always reports that exact step.
     The gradient norm is also returned in the step outputs as
@@ -63,7 +63,7 @@ class NonFiniteGuard(Callback):
         step = trainer.global_step - 1 if trainer.position.last_stepped else trainer.global_step
         self._pending.append((step, trainer.current_epoch, batch_idx, outputs["loss"], outputs.get("grad_norm")))
         # entries older than the run-ahead window belong to steps the trainer has already waited for
-        from jaxlight.loops import RUN_AHEAD
+        from jaxlight.config import RUN_AHEAD
 
         ready = []
         while len(self._pending) > RUN_AHEAD:

@@ -76,7 +76,7 @@ class ThroughputMonitor(Callback):
     is known (``peak_flops``, or a table of common GPUs/TPUs by
     ``device_kind``). Timing uses host timestamps after the trainer's bounded
     run-ahead wait, so there is no extra device sync: over a window of ``n``
-    steps the error is at most the in-flight steps (``jaxlight.loops.RUN_AHEAD``). Time spent in
+    steps the error is at most the in-flight steps (``jaxlight.config.RUN_AHEAD``). Time spent in
     validation inside ``fit`` is left out. ``batch_size_fn`` and
     ``length_fn`` get the batch (global arrays) and should read shapes;
     returning a device scalar is allowed and is only fetched at logging time.
@@ -180,11 +180,7 @@ class ThroughputMonitor(Callback):
         if not metrics:
             return
         self.metrics = metrics
-        trainer.logged_metrics.update(metrics)
-        if trainer.loggers and trainer.is_global_zero:
-            from jaxlight.loggers.logger import LoggerCollection
-
-            LoggerCollection(trainer.loggers).log_metrics(metrics, step=trainer.global_step - 1)
+        trainer.reporter.log_metrics(metrics)  # at the step that produced them (global_step - 1), process 0
 
 
 def _memory(compiled: Any, state: Any, sep: str) -> dict[str, float]:

@@ -1,0 +1,258 @@
+"""Hook dispatch: which callbacks and whether the module implement each hook, and the calls in Lightning's order.
+
+:class:`HookCaller` is what the Trainer's ``call_hook`` runs: callbacks
+first, then the module, each inside the reporter's hook scope so host-side
+``self.log`` takes the hook's defaults. The questions "does ``obj`` implement
+hook X itself" (:func:`overrides`), "can ``fn`` take argument X"
+(:func:`takes_argument`) and "was ``fn`` written by the user"
+(:func:`user_code`) are answered here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxlight.callbacks.callback import Callback
+from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
+from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
+from jaxlight.callbacks.preemption import Preemption
+from jaxlight.callbacks.progress import TQDMProgressBar
+from jaxlight.callbacks.timer import Timer
+from jaxlight.errors import MisconfigurationError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.config import TrainerConfig
+    from jaxlight.module import LightningModule
+    from jaxlight.reporting import MetricReporter
+    from jaxlight.trainer import Trainer
+
+CALLBACK_HOOKS: tuple[str, ...] = tuple(n for n, f in vars(Callback).items() if not n.startswith("_") and callable(f))
+"""Every hook a Callback may implement (its public methods), in declaration order."""
+
+_PER_BATCH_TRAIN_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+
+
+def overrides(obj: Any, name: str) -> bool:
+    """Whether ``obj`` implements ``name`` itself rather than inheriting the default.
+
+    The default is the definition in the most basic class of ``obj``'s type
+    that defines ``name`` (``Callback``'s no-op for callbacks, ``ModelHooks``'
+    or ``LightningModule``'s for modules); an attribute set on the instance
+    (``model.validation_step = fn``, ``LambdaCallback``) counts as an
+    implementation. False when nothing defines ``name``.
+    """
+    if name in getattr(obj, "__dict__", {}):
+        return True
+    impl = getattr(type(obj), name, None)
+    if impl is None:
+        return False
+    root = next(c for c in reversed(type(obj).__mro__) if name in vars(c))
+    return impl is not getattr(root, name)
+
+
+def parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters (a bound method's without ``self``); None when Python cannot read its signature."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def takes_argument(fn: Callable[..., Any], name: str, position: int) -> bool | None:
+    """Whether ``fn`` accepts argument ``name`` passed as positional argument ``position`` (0-based).
+
+    True when a parameter is called ``name``, when ``fn`` takes ``*args``, or
+    when it has more than ``position`` positional parameters (Lightning passes
+    ``dataloader_idx`` positionally, whatever the parameter is called). None
+    when the signature cannot be read: the caller decides what unknown means.
+    """
+    ps = parameters(fn)
+    if ps is None:
+        return None
+    if any(p.name == name or p.kind is p.VAR_POSITIONAL for p in ps):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in ps) > position
+
+
+def names_parameter(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` has a parameter called ``name`` (so it can be passed by keyword)."""
+    return any(p.name == name for p in parameters(fn) or ())
+
+
+def user_code(fn: Any) -> bool:
+    """Whether ``fn`` (a bound method or a function) was written outside jaxlight."""
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", None)
+    return not (isinstance(module, str) and (module == "jaxlight" or module.startswith("jaxlight.")))
+
+
+def check_callbacks(callbacks: Callback | Sequence[Callback] | None) -> list[Callback]:
+    """The Trainer's ``callbacks`` argument as a list, every element a jaxlight Callback."""
+    if callbacks is None:
+        cbs: list[Callback] = []
+    elif isinstance(callbacks, Callback):
+        cbs = [callbacks]
+    else:
+        cbs = list(callbacks)
+    for cb in cbs:
+        if not isinstance(cb, Callback):
+            raise MisconfigurationError(f"callbacks must be jaxlight.Callback instances, got {type(cb).__name__}")
+    return cbs
+
+
+def with_default_callbacks(cbs: list[Callback], config: TrainerConfig) -> list[Callback]:
+    """The user's callbacks plus those the arguments ask for (progress bar, ``max_time``'s Timer,
+    checkpointing, preemption handling), checkpoint callbacks last."""
+    if config.enable_progress_bar is not False and not any(isinstance(c, TQDMProgressBar) for c in cbs):
+        cbs = [*cbs, TQDMProgressBar()]
+    if config.enable_progress_bar is False:
+        cbs = [c for c in cbs if not isinstance(c, TQDMProgressBar)]
+    if config.max_time is not None:
+        cbs = [c for c in cbs if not isinstance(c, Timer)] + [Timer(config.max_time, interval="step")]
+    if config.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in cbs):
+        cbs = [*cbs, ModelCheckpoint()]
+    if not config.fast_dev_run and not any(isinstance(c, Preemption) for c in cbs):
+        cbs = [*cbs, Preemption()]
+    return checkpoint_callbacks_last(cbs)
+
+
+def with_scheduler_stepper(cbs: list[Callback], host_stepped: bool) -> list[Callback] | None:
+    """The callbacks with one :class:`LRSchedulerStepper` first when the optimizer has host-stepped
+    schedules (plateau, epoch interval), so LearningRateMonitor reads the rates it sets, and none
+    otherwise; None when that is the list as it is."""
+    others = [c for c in cbs if not isinstance(c, LRSchedulerStepper)]
+    stepper = [LRSchedulerStepper()] if host_stepped else []
+    if not stepper and len(others) == len(cbs):
+        return None
+    return checkpoint_callbacks_last(stepper + others)
+
+
+def checkpoint_callbacks_last(cbs: Sequence[Callback]) -> list[Callback]:
+    """Lightning runs checkpoint callbacks after all others at every hook, so a checkpoint holds the
+    other callbacks' state as updated by the same hook (e.g. EarlyStopping's wait count)."""
+    return [c for c in cbs if not c.is_checkpoint_callback] + [c for c in cbs if c.is_checkpoint_callback]
+
+
+class HookCaller:
+    """Calls hooks on the callbacks, then on the module, through a table built once per run.
+
+    ``callbacks`` is the Trainer's list (``trainer.callbacks`` is this list);
+    ``module`` is the attached LightningModule. :meth:`build` records, per
+    hook, the callbacks that implement it and whether the module does, so the
+    dispatch never calls a no-op (the train loop asks twice per step).
+    Callback hooks receive ``trainer`` first, as in Lightning.
+    """
+
+    def __init__(self, trainer: Trainer, reporter: MetricReporter, callbacks: Sequence[Callback] = ()) -> None:
+        self._trainer = trainer
+        self.reporter = reporter
+        self.callbacks: list[Callback] = list(callbacks)
+        self.module: LightningModule | None = None
+        self._table: dict[str, tuple[list[Callback], bool]] = {}
+        self._module_readers: set[str] = set()
+
+    def attach(self, module: LightningModule) -> None:
+        """Serve ``module``: its ``configure_callbacks()`` replace the Trainer's callbacks of the same
+        types (Lightning's rule), then the table is built."""
+        self.module = module
+        extra = module.configure_callbacks()
+        extra = [extra] if isinstance(extra, Callback) else list(extra or [])
+        if extra:
+            kinds = {type(c) for c in extra}
+            self.callbacks = checkpoint_callbacks_last([c for c in self.callbacks if type(c) not in kinds] + extra)
+        self.build()
+
+    def build(self) -> None:
+        """Per hook, the callbacks that implement it and whether the module does; and which per-batch
+        train hooks run user code that may read the module's NNX attributes."""
+        module = self.module
+        self._table = {}
+        for name in CALLBACK_HOOKS:
+            cbs = [c for c in self.callbacks if overrides(c, name)]
+            self._table[name] = (cbs, module is not None and overrides(module, name))
+        # Hooks whose user code may read the module's NNX attributes between train steps (the step donates
+        # the arrays they point at): the loop re-points them at the new state before calling these only.
+        self._module_readers = set()
+        saving = any(user_code(c.on_save_checkpoint) for c in self._table["on_save_checkpoint"][0])
+        saving |= self._table["on_save_checkpoint"][1]
+        for name in _PER_BATCH_TRAIN_HOOKS:
+            cbs, mod = self._table[name]
+            user = any(user_code(getattr(c, name)) for c in cbs) or (mod and user_code(getattr(module, name)))
+            if user or (saving and cbs):
+                self._module_readers.add(name)
+
+    def reads_module(self, hook: str) -> bool:
+        """Whether a user's implementation of per-batch ``hook`` runs this fit (so the loop points the
+        module's attributes at the current train state first; jaxlight's own callbacks never read them)."""
+        return hook in self._module_readers
+
+    def eval_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters evaluation runs on: ``params``, or a callback's (e.g. EMA) when it provides them."""
+        for cb in self.callbacks:
+            alt = cb.eval_params(self._trainer, params)
+            if alt is not None:
+                params = alt
+        return params
+
+    def call(self, hook: str, *args: Any, module: bool = True, callbacks: Sequence[Callback] | None = None) -> Any:
+        """Call ``hook`` on the callbacks (those given, or every one that implements it), then on the
+        module; host-side ``self.log`` calls made inside take the hook's defaults. Returns the module's
+        result."""
+        table = self._table.get(hook)
+        if table is None:
+            cbs, mod = list(self.callbacks), hasattr(self.module, hook)
+        else:
+            cbs, mod = table
+        if callbacks is not None:
+            cbs = [c for c in callbacks if c in cbs or table is None]
+        run_module = module and mod and self.module is not None
+        if not cbs and not run_module:
+            return None  # nothing implements it: no bookkeeping
+        reporter = self.reporter
+        result = None
+        with reporter.in_hook(hook):
+            for cb in cbs:
+                getattr(cb, hook)(self._trainer, self.module, *args)
+                reporter.flush_host_logs()
+            if run_module:
+                result = getattr(self.module, hook)(*args)
+                reporter.flush_host_logs()
+        return result
+
+    def call_on_exception(self, exception: BaseException) -> None:
+        """``on_exception`` on every callback, then on the module; errors they raise are dropped (the
+        original error matters more)."""
+        for cb in self.callbacks:
+            try:
+                cb.on_exception(self._trainer, self.module, exception)
+            except Exception:
+                pass
+        if hasattr(self.module, "on_exception"):
+            try:
+                self.module.on_exception(exception)  # type: ignore[union-attr]
+            except Exception:
+                pass
+
+    def call_module(self, hook: str, *args: Any) -> Any:
+        """Call a module-only hook (``configure_optimizers``, ``on_validation_model_eval`` ...)."""
+        with self.reporter.in_hook(hook):
+            out = getattr(self.module, hook)(*args)
+            self.reporter.flush_host_logs()
+            return out
+
+
+__all__ = [
+    "CALLBACK_HOOKS",
+    "HookCaller",
+    "check_callbacks",
+    "checkpoint_callbacks_last",
+    "names_parameter",
+    "overrides",
+    "parameters",
+    "takes_argument",
+    "user_code",
+    "with_default_callbacks",
+    "with_scheduler_stepper",
+]
