@@ -3,9 +3,10 @@
 :meth:`TrainerConfig.from_arguments` is where every ``Trainer(...)`` argument
 is checked (with the numbers, before any work starts) and resolved
 (defaults, ``fast_dev_run``'s overrides, device indices to devices). The
-result is frozen: the loops, the reporter and the checkpoint code read it,
-nobody writes it. The Trainer exposes each field under its Lightning name
-(``trainer.max_epochs`` is ``trainer.config.max_epochs``).
+result is frozen: the loops read it and never change it. The Trainer exposes
+each field under its Lightning name (``trainer.max_epochs`` is
+``trainer.config.max_epochs``); assigning one replaces ``trainer.config``
+with a copy (:class:`ConfigAttribute`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ class TrainerConfig:
 
     Resolved means: ``devices`` holds the devices of the global mesh (every
     process contributes as many as this one picked); ``precision`` is the
-    policy; ``fast_dev_run`` is an int (0: off)
-    and, when set, has already replaced the limits, ``max_steps``,
-    ``max_epochs``, the sanity check, the validation cadence, the loggers and
-    checkpointing; ``max_epochs`` is 1000 when nothing else bounds the run
+    policy; ``fast_dev_run`` is an int (0: off) and, when set, has already
+    replaced the limits, ``max_steps``, ``max_epochs``, the sanity check, the
+    validation cadence, the loggers and checkpointing; ``max_epochs`` is 1000 when nothing else bounds the run
     and -1 (no limit) when ``max_steps`` or ``max_time`` does;
     ``min_epochs``/``min_steps`` are 0 when not given;
     ``val_check_interval`` is 1.0 (once per epoch) when not given;

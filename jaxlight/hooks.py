@@ -48,8 +48,8 @@ def overrides(obj: Any, name: str) -> bool:
     impl = getattr(type(obj), name, None)
     if impl is None:
         return False
-    root = next(c for c in reversed(type(obj).__mro__) if name in vars(c))
-    return impl is not getattr(root, name)
+    root = next((c for c in reversed(type(obj).__mro__) if name in vars(c)), None)
+    return root is None or impl is not getattr(root, name)  # None: provided outside the class bodies
 
 
 def parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections import deque
@@ -496,7 +495,3 @@ def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, An
         else:
             out[key] = repr(v)
     return out
-
-
-def is_finite(v: float) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
