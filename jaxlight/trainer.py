@@ -25,10 +25,10 @@ from typing import Any
 
 import jax
 
+from jaxlight import checkpoint
 from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.model_summary import ModelSummary
 from jaxlight.callbacks.progress import TQDMProgressBar
-from jaxlight.checkpoint import find_last_checkpoint, restore_logger_states
 from jaxlight.compile_cache import configure_compile_cache
 from jaxlight.config import ConfigAttributes, TrainerConfig
 from jaxlight.data import split_loaders
@@ -160,6 +160,10 @@ class Trainer(ConfigAttributes):
     @property
     def lightning_module(self) -> LightningModule | None:
         return self.hooks.module
+
+    @lightning_module.setter
+    def lightning_module(self, value: LightningModule | None) -> None:
+        self.hooks.module = value
 
     @property
     def is_global_zero(self) -> bool:
@@ -355,8 +359,8 @@ class Trainer(ConfigAttributes):
             # known before configure_optimizers, so a schedule can be sized (estimated_stepping_batches)
             self.num_training_batches = train_batches(self.config, train_loader)
             if self.loggers and self.is_global_zero:
-                if ckpt_path is not None and (ckpt_path != "last" or find_last_checkpoint(self) is not None):
-                    restore_logger_states(self, ckpt_path)  # a resumed run keeps logging into its own runs
+                if ckpt_path is not None and (ckpt_path != "last" or checkpoint.find_last_checkpoint(self) is not None):
+                    checkpoint.restore_logger_states(self, ckpt_path)  # a resumed run keeps logging into its own runs
                 LoggerCollection(self.loggers).setup()  # a misconfigured tracker fails before any compile
             if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (strategies/auto.py)
                 chosen = self.auto_strategy.choose(self, self._devices, train_loader)
@@ -378,9 +382,7 @@ class Trainer(ConfigAttributes):
             if ckpt_path is not None:
                 self._restore(ckpt_path, stage="fit")
             if self.checkpoint_callbacks:
-                from jaxlight.checkpoint import check_hparams
-
-                check_hparams(model, self.datamodule)  # fail now, not at the first save an epoch later
+                checkpoint.check_hparams(model, self.datamodule)  # fail now, not at the first save an epoch later
             self.reporter.log_hyperparams(model, self.datamodule)
             printed = any(isinstance(c, ModelSummary) for c in self.callbacks)  # the callback prints instead
             if self.enable_model_summary and self.is_global_zero and not printed:
@@ -394,15 +396,15 @@ class Trainer(ConfigAttributes):
             cb.wait_until_finished()
 
     def _restore(self, ckpt_path: str, stage: str) -> None:
-        from jaxlight.checkpoint import no_last_checkpoint_reason, restore_into_trainer
-
-        if ckpt_path == "last" and find_last_checkpoint(self) is None:
+        if ckpt_path == "last" and checkpoint.find_last_checkpoint(self) is None:
             # Lightning: not an error, so a script can always pass ckpt_path="last" (resume if there is one)
             warnings.warn(
-                f"{no_last_checkpoint_reason(self)}; {stage}() starts without a checkpoint", UserWarning, stacklevel=3
+                f"{checkpoint.no_last_checkpoint_reason(self)}; {stage}() starts without a checkpoint",
+                UserWarning,
+                stacklevel=3,
             )
             return
-        restore_into_trainer(self, ckpt_path, stage)
+        checkpoint.restore_into_trainer(self, ckpt_path, stage)
 
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False) -> None:
         """Write the run's state to the new directory ``filepath`` and wait until it is committed.
@@ -411,9 +413,7 @@ class Trainer(ConfigAttributes):
         checkpoint resumes with ``fit(ckpt_path=filepath)`` or loads with
         ``Module.load_from_checkpoint(filepath)`` (see docs/checkpointing.md).
         """
-        from jaxlight.checkpoint import save_checkpoint
-
-        save_checkpoint(self, filepath, weights_only=weights_only)
+        checkpoint.save_checkpoint(self, filepath, weights_only=weights_only)
 
     def eval_params(self) -> dict[str, jax.Array]:
         """Parameters evaluation runs on: the trained ones, or a callback's (e.g. EMA) when it provides them."""
