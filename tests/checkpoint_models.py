@@ -76,3 +76,68 @@ def host_params(trainer: jl.Trainer) -> dict[str, np.ndarray]:
     import jax
 
     return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
+
+
+class NormNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.do = nnx.Dropout(0.25, rngs=rngs)
+        self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.do(nnx.relu(self.bn(self.l1(x)))))
+
+
+class NormRegressor(jl.LightningModule):
+    """The module of the on-disk compatibility fixture (tests/fixtures/ckpt_v0): BatchNorm statistics and a
+    dropout RNG stream (non-parameter NNX state, RNG keys stored as key data), trained with Adam. Do not change
+    it: tests/test_checkpoint_compat.py restores a checkpoint written with it."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def configure_model(self) -> None:
+        self.net = NormNet(nnx.Rngs(0, dropout=1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.net(x) - y) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return optax.adam(self.hparams.lr)
+
+
+def norm_batches(n_batches: int = 4, batch_size: int = 8) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The fixture's data: a plain list of (x, y) batches (a resume skips the batches already seen)."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(n_batches * batch_size, 4)).astype(np.float32)
+    y = np.stack([x[:, 0] - x[:, 1], x[:, 2] * x[:, 3]], -1).astype(np.float32)
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+class SaveAt(jl.Callback):
+    """``trainer.save_checkpoint(path)`` after global step ``step`` (a mid-epoch, mid-fit checkpoint)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def norm_trainer(max_steps: int, callbacks=(), **kw) -> jl.Trainer:
+    """The fixture's trainer: no checkpoint callback (checkpoints are written with trainer.save_checkpoint)."""
+    return jl.Trainer(
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[jl.callbacks.EMA(decay=0.9), *callbacks],
+        **kw,
+    )

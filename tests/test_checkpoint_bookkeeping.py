@@ -20,6 +20,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight.callbacks import model_checkpoint as mc_mod
+from jaxlight.checkpoint import publish
 from tests.checkpoint_models import DropoutClassifier
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -167,8 +168,8 @@ def test_step_triggers_and_overwritten_names_match_lightning(tmp_path):
 
 def test_no_atomic_exchange_still_publishes_the_same_files(tmp_path, monkeypatch):
     """Filesystems without renameat2(RENAME_EXCHANGE) take the two-rename path; the result is the same."""
-    monkeypatch.setattr(mc_mod, "_exchange", lambda a, b: False)
-    monkeypatch.setattr(mc_mod, "_exchange_ok", {})
+    monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(publish, "_exchange_ok", {})
     cases = [("link", 2, {}), (True, 1, {"every_n_train_steps": 2, "filename": "{epoch}", "monitor": None})]
     got = _jaxlight(tmp_path, cases)
     assert got[0]["files"] == ["epoch=1-step=12.ckpt", "epoch=3-step=24.ckpt", "last.ckpt"]
@@ -198,7 +199,7 @@ _MUTATORS = [(os, n) for n in ("rename", "replace", "symlink", "unlink", "link",
 def _killed_before(n):
     """Every mutating filesystem call after the first ``n`` raises: the process died right there."""
     count = [0]
-    saved = [(mod, name, getattr(mod, name)) for mod, name in [*_MUTATORS, (mc_mod, "_exchange")]]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in [*_MUTATORS, (publish, "_exchange")]]
 
     def wrap(fn):
         def call(*a, **k):
@@ -256,14 +257,14 @@ def _scenario(d, save_last, overwrite=False):
     if save_last == "link":
         os.symlink("B.ckpt", last)
     else:
-        mc_mod._hardlink_tree(B, last)
+        publish.hardlink_tree(B, last)
     target = B if overwrite else C
-    plan = mc_mod._Plan("1-1", names=[target] + ([last] if save_last is True else []))
+    plan = publish.Plan("1-1", names=[target] + ([last] if save_last is True else []))
     if save_last == "link":
         plan.links = [(last, target)]
     plan.removals = [] if overwrite else [A]
     plan.protect = frozenset([target, last])
-    plan.staged = mc_mod._marked(target, "staged", "1-1")
+    plan.staged = publish.marked(target, "staged", "1-1")
     _fake_checkpoint(plan.staged, 3)
     return plan
 
@@ -275,9 +276,9 @@ def test_kill_at_every_file_operation_of_a_commit(tmp_path, monkeypatch, save_la
     the newest complete checkpoint at every point; without one, after the next start's repair. A half-removed
     checkpoint never looks complete."""
     if not exchange:
-        monkeypatch.setattr(mc_mod, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
     for n in range(200):
-        monkeypatch.setattr(mc_mod, "_exchange_ok", {})
+        monkeypatch.setattr(publish, "_exchange_ok", {})
         d = str(tmp_path / f"cut{n}")
         plan = _scenario(d, save_last, overwrite)
         with _killed_before(n) as count:

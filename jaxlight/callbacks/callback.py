@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,7 +35,11 @@ class Callback:
       gradient norm is non-finite (parameters, optimizer and model state kept);
     - ``is_checkpoint_callback``: saves checkpoints; runs after every other
       callback at each hook (Lightning orders checkpoint callbacks last), so
-      what it saves includes this hook's updates of the other callbacks;
+      what it saves includes this hook's updates of the other callbacks.
+      Such a callback is found by what it declares, never by its type:
+      :attr:`checkpoint_dirpath` (where ``ckpt_path="last"`` looks),
+      :meth:`best_checkpoint_path` (what ``ckpt_path="best"`` loads) and
+      :meth:`save_now` (what :class:`~jaxlight.callbacks.Preemption` writes);
     - ``is_monitoring_callback``: decides from monitored metrics (early
       stopping); its ``on_train_epoch_end`` runs after the module's;
     - ``state_on_device``: the TrainState groups (``"opt_state"``, ``"callback_state"``)
@@ -154,3 +159,22 @@ class Callback:
 
     def wait_until_finished(self) -> None:
         """Block until background work this callback started is complete (nothing by default)."""
+
+    # checkpoint callbacks (is_checkpoint_callback): what finding and writing checkpoints asks of them
+    @property
+    def checkpoint_dirpath(self) -> str | None:
+        """The directory this checkpoint callback writes into, which ``ckpt_path="last"`` searches (with the
+        same directory under the other ``version_N`` of a versioned logger); None: none (yet)."""
+        return None
+
+    def best_checkpoint_path(self, saved_state: Mapping[str, Any] | None = None) -> str | None:
+        """What ``ckpt_path="best"`` loads: the best checkpoint this callback knows of in this run, or, given
+        ``saved_state`` (this callback's ``state_dict()`` as a checkpoint of an earlier run holds it), the one
+        named there. None: no best checkpoint is known."""
+        return None
+
+    def save_now(self, trainer: Trainer, reason: str = "preemption") -> str | None:
+        """Write the run's current state now, synchronously, and return the checkpoint's path (what
+        :class:`~jaxlight.callbacks.Preemption` calls before the process exits). None: this callback writes
+        nothing on demand (the default)."""
+        return None

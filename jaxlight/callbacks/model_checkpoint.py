@@ -1,359 +1,36 @@
 """ModelCheckpoint: Lightning's checkpoint callback on orbax-checkpoint, saving asynchronously.
 
-Two layers:
-
-- *Decisions* (every process, in the loop): Lightning's own logic decides
-  when to save, the file names, the top-k set and ``last``. A trigger makes
-  at most one orbax save, plus a *plan* of file operations: the names the
-  saved data is published under, the ``last`` link to switch, the files to
-  remove.
-- *Publication* (process 0, in orbax's commit thread): the moment a save
-  commits, its plan runs, in save order. The loop never waits for it, and
-  nothing lags: ``last`` and the top-k set follow each commit, however fast
-  the steps are.
-
-Every file operation keeps one invariant, even under ``kill -9`` at any
-instant: whenever a complete checkpoint exists, ``last`` resolves to the
-newest one. Directories get their final name by an atomic rename or an atomic
-exchange (Linux ``renameat2(RENAME_EXCHANGE)``); removed checkpoints first
-lose their final name (so a half-deleted directory never looks complete).
+This module holds Lightning's *policy* only, decided on every process in the
+loop: when to save, the file names, the top-k set and ``last``. A trigger
+makes at most one orbax save (:func:`jaxlight.checkpoint.save_checkpoint`) and
+a :class:`~jaxlight.checkpoint.publish.Plan` of file operations: the names the
+saved data is published under, the ``last`` link to switch, the files to
+remove. Publishing them, crash-safely and in save order the moment each save
+commits, is :mod:`jaxlight.checkpoint.publish`'s work (process 0, in orbax's
+commit thread); the loop never waits for it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import math
 import os
 import re
-import shutil
-import threading
 import time
-from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import jax
-
-from jaxlight import compat
+from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
+from jaxlight.checkpoint import publish
+from jaxlight.checkpoint.run_state import save_checkpoint
 from jaxlight.imports import WarnOnce, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
 
-# Names holding orbax's temporary mark are never complete checkpoints (jaxlight.checkpoint.is_complete),
-# so every intermediate name below carries it.
-_MARK = ".orbax-checkpoint-tmp"
-# what jaxlight.checkpoint.is_complete looks for at the top of a checkpoint directory, and orbax's commit marker
-_COMPLETION_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
-_KINDS = ("staged", "copy", "evicted", "link", "old", "next", "placeholder")
-_LEFTOVER = re.compile(
-    r"^(?P<base>.+?)" + re.escape(_MARK) + r"-(?P<kind>" + "|".join(_KINDS) + r")\d+-\d+(?:" + re.escape(_MARK) + r")?$"
-)
 
-
-# ============================================================================ file operations (process 0)
-def _marked(path: str, kind: str, token: str) -> str:
-    return f"{path}{_MARK}-{kind}{token}"
-
-
-def _is_dir(p: str) -> bool:
-    return os.path.isdir(p) and not os.path.islink(p)
-
-
-_renameat2: Any = None
-_exchange_ok: dict[str, bool] = {}
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap the entries ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    global _renameat2
-    if _renameat2 is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).renameat2
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _renameat2 = fn
-        except (AttributeError, OSError):
-            _renameat2 = False
-    if _renameat2 is False:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if _renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
-
-
-def _can_exchange(directory: str, token: str) -> bool:
-    """Whether the filesystem holding ``directory`` swaps entries atomically (probed once per directory)."""
-    if directory not in _exchange_ok:
-        a, b = (_marked(os.path.join(directory, "probe"), "link", f"{token}{s}") for s in "01")
-        try:
-            os.symlink("a", a)
-            os.symlink("b", b)
-            _exchange_ok[directory] = _exchange(a, b)
-        except OSError:
-            _exchange_ok[directory] = False
-        finally:
-            for p in (a, b):
-                if os.path.lexists(p):
-                    os.unlink(p)
-    return _exchange_ok[directory]
-
-
-_warn_cleanup = WarnOnce()
-
-
-def _dispose(path: str, token: str) -> None:
-    """Remove a file, link or checkpoint directory; a directory first loses its final name."""
-    try:
-        if os.path.islink(path) or os.path.isfile(path):
-            os.unlink(path)
-        elif os.path.isdir(path):
-            if _MARK not in os.path.basename(path):
-                gone = _marked(path, "evicted", token)
-                os.rename(path, gone)
-                path = gone
-            shutil.rmtree(path)
-    except OSError as e:  # the run goes on; the file stays and the user is told once
-        _warn_cleanup(
-            ("dispose", os.path.dirname(path)),
-            f"ModelCheckpoint could not remove {path} ({e}); it stays on disk (further failures in this "
-            f"directory are not reported)",
-        )
-
-
-def _put(src: str, dst: str, token: str) -> None:
-    """Make ``dst`` name what ``src`` names, atomically where the filesystem allows; the old ``dst`` is removed."""
-    if not os.path.lexists(dst):
-        os.rename(src, dst)
-        return
-    if not _is_dir(src) and not _is_dir(dst):
-        os.replace(src, dst)  # a link or file over a link or file: atomic everywhere
-        return
-    if _exchange(src, dst):
-        _dispose(src, token)  # src now names the old dst
-        return
-    old = _marked(dst, "old", token)  # no exchange here: a moment without dst
-    os.rename(dst, old)
-    os.rename(src, dst)
-    _dispose(old, token)
-
-
-def _link(link: str, target: str, token: str) -> None:
-    """Point the symlink ``link`` at ``target`` (relative), replacing whatever ``link`` was, atomically."""
-    rel = os.path.relpath(target, os.path.dirname(link))
-    if os.path.islink(link) and os.readlink(link) == rel:
-        return
-    tmp = _marked(link, "link", token)
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    os.symlink(rel, tmp)
-    _put(tmp, link, token)
-
-
-def _hardlink_tree(src: str, dst: str) -> None:
-    """A copy of the directory ``src`` at ``dst`` sharing its files (hard links; a real copy where links fail).
-
-    Orbax never modifies a committed checkpoint's files, so the two stay independent: removing one keeps the other.
-    """
-    if os.path.lexists(dst):
-        shutil.rmtree(dst)
-
-    def put(s: str, t: str) -> None:
-        try:
-            os.link(s, t)
-        except OSError:
-            shutil.copy2(s, t)
-
-    # the files that make a directory count as complete go last, so a copy cut short never looks complete
-    last = [f for f in _COMPLETION_FILES if os.path.exists(os.path.join(src, f))]
-    for root, _, files in os.walk(src):
-        out = os.path.join(dst, os.path.relpath(root, src))
-        os.makedirs(out, exist_ok=True)
-        for f in files:
-            if root != src or f not in last:
-                put(os.path.join(root, f), os.path.join(out, f))
-    for f in last:
-        put(os.path.join(src, f), os.path.join(dst, f))
-
-
-def _meta_time(path: str | os.PathLike) -> float:
-    from jaxlight.checkpoint import read_meta
-
-    try:
-        return float(read_meta(path).get("time", 0.0))
-    except Exception:  # unreadable: never preferred
-        return -1.0
-
-
-def _whole(path: str) -> bool:
-    """A directory holding a whole checkpoint, whatever its name (jaxlight.checkpoint.is_complete also needs a final
-    name); a hard-linked copy gets its completion files last, so one cut short is not whole."""
-    return _is_dir(path) and all(
-        os.path.exists(os.path.join(path, n)) for n in ("_CHECKPOINT_METADATA", "meta", "model")
-    )
-
-
-def _complete(path: str) -> bool:
-    from jaxlight.checkpoint import is_complete
-
-    return os.path.exists(path) and is_complete(os.path.realpath(path))
-
-
-@dataclass
-class _Plan:
-    """The file operations of one save (or of a trigger that saved nothing new), applied in this order:
-    hard-linked copies (``names[1:]``, e.g. ``last.ckpt`` with ``save_last=True``), the data itself under
-    ``names[0]`` (links pointing at it switched together with it), the other links, then the removals."""
-
-    token: str
-    names: list[str] = field(default_factory=list)
-    links: list[tuple[str, str]] = field(default_factory=list)  # (link, target)
-    removals: list[str] = field(default_factory=list)
-    protect: frozenset[str] = frozenset()
-    staged: str = ""  # where orbax's commit leaves the data before it is published
-
-    def apply(self) -> None:
-        links = list(self.links)
-        if self.names:
-            primary = self.names[0]
-            for copy in self.names[1:]:
-                tmp = _marked(copy, "copy", self.token)
-                _hardlink_tree(self.staged, tmp)
-                _put(tmp, copy, self.token)
-            along = [lk for lk, t in links if t == primary]
-            links = [(lk, t) for lk, t in links if t != primary]
-            self._publish(primary, along)
-        for lk, t in links:
-            _link(lk, t, self.token)
-        for p in self.removals:
-            if p not in self.protect:
-                _dispose(p, self.token)
-
-    def _publish(self, primary: str, links: list[str]) -> None:
-        """Give the staged data its name; links to it switch in the same instant where possible."""
-        if not links:
-            _put(self.staged, primary, self.token)
-            return
-        now = [lk for lk in links if _complete(lk)]
-        directory = os.path.dirname(primary)
-        if not now:  # nothing to keep resolvable yet: point the links first, then name the data
-            for lk in links:
-                _link(lk, primary, self.token)
-            _put(self.staged, primary, self.token)
-        elif not os.path.lexists(primary) and _can_exchange(directory, self.token):
-            # A placeholder link at the new name, resolving where the link resolves now; the link moves to it
-            # (still resolving to the old checkpoint); then the data is exchanged with the placeholder, so the
-            # link resolves to the new checkpoint the instant that checkpoint exists.
-            mark = _marked(primary, "placeholder", self.token)  # tells a repair that `primary` may be a placeholder
-            with open(mark, "w"):
-                pass
-            _link(primary, os.path.realpath(now[0]), self.token)
-            _link(now[0], primary, self.token)
-            _put(self.staged, primary, self.token)
-            for lk in links:
-                _link(lk, primary, self.token)
-            os.unlink(mark)
-        else:  # no atomic exchange on this filesystem: the link follows a moment later
-            _put(self.staged, primary, self.token)
-            for lk in links:
-                _link(lk, primary, self.token)
-
-
-@dataclass
-class _Job:
-    plan: _Plan
-    committed: bool = False
-
-
-class _Publisher:
-    """Runs the plans on process 0 in save order: a save's plan when orbax commits it, other plans at once
-    unless a save before them has not committed yet."""
-
-    def __init__(self) -> None:
-        self.active = True  # False on processes other than 0: they decide, process 0 touches the files
-        self._lock = threading.Lock()
-        self._jobs: deque[_Job] = deque()
-        self._by_path: dict[str, _Job] = {}
-
-    def expect(self, orbax_path: str, plan: _Plan) -> None:
-        if not self.active:
-            return
-        with self._lock:
-            job = _Job(plan)
-            self._jobs.append(job)
-            self._by_path[os.path.abspath(orbax_path)] = job
-
-    def forget(self, orbax_path: str) -> None:
-        """The save never started (it raised before handing over to orbax)."""
-        with self._lock:
-            job = self._by_path.pop(os.path.abspath(orbax_path), None)
-            if job is not None:
-                self._jobs.remove(job)
-                self._drain()
-
-    def submit(self, plan: _Plan) -> None:
-        if not self.active:
-            return
-        with self._lock:
-            self._jobs.append(_Job(plan, committed=True))
-            self._drain()
-
-    def lookup(self, orbax_path: str) -> _Plan | None:
-        with self._lock:
-            job = self._by_path.get(os.path.abspath(orbax_path))
-            return None if job is None else job.plan
-
-    def committed(self, orbax_path: str) -> None:
-        """Orbax moved the save to ``plan.staged``: run every plan that is now due (in orbax's commit thread)."""
-        with self._lock:
-            job = self._by_path.pop(os.path.abspath(orbax_path), None)
-            if job is None:  # abandoned meanwhile (an earlier save failed): its data stays marked, never named
-                return
-            job.committed = True
-            self._drain()
-
-    def abandon(self) -> None:
-        """A save failed in the background: its plan (and no later one) will never be committed."""
-        with self._lock:
-            self._jobs = deque(j for j in self._jobs if j.committed)
-            self._by_path.clear()
-            self._drain()
-
-    def _drain(self) -> None:
-        while self._jobs and self._jobs[0].committed:
-            self._jobs.popleft().plan.apply()
-
-
-def _temporary_path_class(publisher: _Publisher) -> type:
-    """Orbax's rename-on-commit temporary path, publishing through ``publisher`` instead of renaming to the final
-    name (built on first use: orbax is imported lazily)."""
-    from orbax.checkpoint.path import atomicity
-
-    class PublishingTemporaryPath(atomicity.AtomicRenameTemporaryPath):
-        async def finalize(self) -> None:
-            final = str(self._final_path)
-            plan = publisher.lookup(final)
-            if plan is None:  # a save this callback did not plan: orbax's own commit
-                await super().finalize()
-                return
-            # orbax's commit (metadata, commit_success.txt, rename) into a name marked as unfinished ...
-            self._final_path = type(self._final_path)(plan.staged)
-            await super().finalize()
-            # ... then the plan gives it its names, switches last, removes what it replaces
-            publisher.committed(final)
-
-    return PublishingTemporaryPath
-
-
-# ============================================================================ the callback
 @dataclass
 class _Txn:
     """What one trigger decided (Lightning's _save_checkpoint / _link_checkpoint / _remove_checkpoint calls)."""
@@ -402,6 +79,7 @@ class ModelCheckpoint(Callback):
     FILE_EXTENSION = ".ckpt"
     STARTING_VERSION = 1
     is_checkpoint_callback = True
+    _dirpath_exchanges: ClassVar[int] = 0  # a fresh key-value key for each dirpath broadcast of the process
 
     def __init__(
         self,
@@ -475,7 +153,7 @@ class ModelCheckpoint(Callback):
         self._newest_path = ""  # the data path of the newest save (what save_now reports)
         self._extra_path = ""  # a forced (preemption) save outside the top k, kept until a newer save
         self._checkpointer: Any = None
-        self._publisher = _Publisher()
+        self._publisher = publish.Publisher()
         self._txn: _Txn | None = None
         self._committing: list[str] = []  # removals of the save being written (recorded in its state)
         self._restored_removals: list[str] = []
@@ -497,6 +175,15 @@ class ModelCheckpoint(Callback):
             train_time_interval=self._train_time_interval,
         )
 
+    # ------------------------------------------------------------------ what a checkpoint callback declares
+    @property
+    def checkpoint_dirpath(self) -> str | None:
+        return self.dirpath
+
+    def best_checkpoint_path(self, saved_state: Mapping[str, Any] | None = None) -> str | None:
+        best = self.best_model_path if saved_state is None else saved_state.get("best_model_path")
+        return best or None
+
     @property
     def every_n_train_steps(self) -> int:
         return self._every_n_train_steps
@@ -512,7 +199,10 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
-            self.dirpath = self._broadcast(trainer, self._default_dirpath(trainer))
+            # process 0's choice everywhere: a versioned log dir may differ per process
+            ModelCheckpoint._dirpath_exchanges += 1
+            key = f"jaxlight/ckpt_dirpath/{ModelCheckpoint._dirpath_exchanges}"
+            self.dirpath = distributed.broadcast_str(self._default_dirpath(trainer), key)
         self._publisher.active = trainer.is_global_zero
         if trainer.is_global_zero and stage == "fit":
             self._repair(self.dirpath)
@@ -524,76 +214,16 @@ class ModelCheckpoint(Callback):
             return os.path.abspath(os.path.join(trainer.log_dir, "checkpoints"))
         return os.path.abspath(os.path.join(trainer.default_root_dir, "checkpoints"))
 
-    @staticmethod
-    def _broadcast(trainer: Trainer, value: str) -> str:
-        """Process 0's value on every process (a versioned log dir may differ per process)."""
-        if jax.process_count() == 1:
-            return value
-        client = compat.distributed_client()
-        ModelCheckpoint._bcast_count = getattr(ModelCheckpoint, "_bcast_count", 0) + 1
-        key = f"jaxlight/ckpt_dirpath/{ModelCheckpoint._bcast_count}"
-        if jax.process_index() == 0:
-            client.key_value_set(key, value)
-            return value
-        return client.blocking_key_value_get(key, 300_000)
-
     def _repair(self, dirpath: str) -> None:
-        """Finish or undo what a killed run left mid-operation (process 0, at fit start, before any save).
-
-        - a ``last`` copy caught between its two renames (filesystems without an atomic exchange): the complete
-          copy gets its name back;
-        - marked intermediate names (staged data never published, half-removed checkpoints, temporary links)
-          and orbax's unfinished saves of our names are removed;
-        - ``last -> F -> E`` (F a placeholder whose exchange never happened) becomes ``last -> E`` and the
-          placeholder goes;
-        - with ``save_last="link"``, a link left one save behind (no atomic exchange) moves to the newest
-          complete checkpoint, which is what Lightning's link names.
-        """
-        if not os.path.isdir(dirpath):
-            return
-        token = self._token()
-        lasts = [
-            os.path.join(dirpath, n)
-            for n in os.listdir(dirpath)
-            if n.startswith(self.CHECKPOINT_NAME_LAST) and os.path.islink(os.path.join(dirpath, n))
-        ]
-        for name in os.listdir(dirpath):
-            m = _LEFTOVER.match(name)
-            placeholder = os.path.join(dirpath, m["base"]) if m and m["kind"] == "placeholder" else None
-            if placeholder is None or not os.path.islink(placeholder):
-                continue
-            # a switch cut short: links through the placeholder go straight to what it stands for; it goes
-            target = os.path.realpath(placeholder)
-            for lk in lasts:
-                if os.path.join(dirpath, os.readlink(lk)) == placeholder and _complete(target):
-                    _link(lk, target, token)
-            os.unlink(placeholder)
-        restore: dict[str, str] = {}
-        for name in sorted(os.listdir(dirpath), key=lambda n: "old" in n):  # copies (newer) before olds
-            m = _LEFTOVER.match(name)
-            path = os.path.join(dirpath, name)
-            if m and m["kind"] in ("copy", "old") and not os.path.lexists(os.path.join(dirpath, m["base"])):
-                if _whole(path) and m["base"] not in restore:
-                    restore[m["base"]] = path
-        for base, path in restore.items():
-            os.rename(path, os.path.join(dirpath, base))
-        partial = []
-        for name in os.listdir(dirpath):
-            if _LEFTOVER.match(name):
-                _dispose(os.path.join(dirpath, name), token)
-            elif name.endswith(self.FILE_EXTENSION + _MARK):  # orbax's own unfinished save of one of our names
-                partial.append(name)
-                _dispose(os.path.join(dirpath, name), token)
-        if partial:
-            rank_zero_info(f"jaxlight: removed unfinished checkpoint saves of an earlier run in {dirpath}: {partial}")
-        for head in lasts:
-            if self.save_last == "link" and _complete(head):
-                from jaxlight.checkpoint import find_last
-
-                newest = find_last([Path(dirpath)])
-                if newest is not None and os.path.realpath(newest) != os.path.realpath(head):
-                    if _meta_time(newest) > _meta_time(os.path.realpath(head)):
-                        _link(head, str(newest), token)
+        """Finish or undo what a killed run left mid-operation in this callback's directory (process 0, at fit
+        start, before any save): :func:`jaxlight.checkpoint.publish.repair` with this callback's names."""
+        publish.repair(
+            dirpath,
+            self._token(),
+            last_prefix=self.CHECKPOINT_NAME_LAST,
+            extension=self.FILE_EXTENSION,
+            link_last=self.save_last == "link",
+        )
 
     # ------------------------------------------------------------------ triggers (Lightning's)
     def _should_skip_saving_checkpoint(self, trainer: Trainer) -> bool:
@@ -621,7 +251,7 @@ class ModelCheckpoint(Callback):
             keep |= {self.last_model_path, self._resume_path(trainer)}
             gone = [p for p in removals if p not in keep and self._in_dirpath(p)]
             if gone:
-                self._publisher.submit(_Plan(self._token(), removals=gone))
+                self._publisher.submit(publish.Plan(self._token(), removals=gone))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         skip_due_to_state = self._should_skip_saving_checkpoint(trainer)
@@ -631,7 +261,7 @@ class ModelCheckpoint(Callback):
         if self._train_time_interval is not None:
             prev = self._last_time_checked
             due = prev is not None and now - prev >= self._train_time_interval.total_seconds()
-            skip_time = not self._agree(trainer, due)  # clocks differ between processes
+            skip_time = not distributed.broadcast_bool(due)  # clocks differ between processes: process 0 decides
         if skip_batch and skip_time:
             return
         if not skip_time:
@@ -698,16 +328,6 @@ class ModelCheckpoint(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         self.wait_until_finished()
-
-    @staticmethod
-    def _agree(trainer: Trainer, flag: bool) -> bool:
-        """Process 0's decision (every process must save together)."""
-        if jax.process_count() == 1:
-            return flag
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
     # ------------------------------------------------------------------ names
     @classmethod
@@ -920,7 +540,7 @@ class ModelCheckpoint(Callback):
         token = self._token()
         protect = set(txn.names) | {t for _, t in txn.links} | {lk for lk, _ in txn.links}
         resume = self._resume_path(trainer)
-        plan = _Plan(
+        plan = publish.Plan(
             token,
             names=list(dict.fromkeys(txn.names)),
             links=txn.links,
@@ -938,8 +558,8 @@ class ModelCheckpoint(Callback):
         if not plan.names:
             self._publisher.submit(plan)
             return
-        plan.staged = _marked(primary, "staged", token)
-        orbax_path = primary if fresh else _marked(primary, "next", token)
+        plan.staged = publish.marked(primary, "staged", token)
+        orbax_path = primary if fresh else publish.marked(primary, "next", token)
         self._publisher.expect(orbax_path, plan)
         self._committing = plan.removals
         try:
@@ -953,10 +573,8 @@ class ModelCheckpoint(Callback):
         self._last_progress_saved = (trainer.global_step, trainer.position.micro_batches)
 
     def _write(self, trainer: Trainer, filepath: str, *, sync: bool, reason: str) -> None:
-        from jaxlight.checkpoint import save_checkpoint
-
-        if self._checkpointer is None:
-            self._checkpointer = self._new_checkpointer()
+        if self._checkpointer is None:  # jaxlight's checkpointer, committing through this callback's publisher
+            self._checkpointer = publish.publishing_checkpointer(self.async_save, self._publisher)
         if trainer.is_global_zero:
             os.makedirs(os.path.dirname(filepath), exist_ok=True)
         save_checkpoint(
@@ -964,13 +582,6 @@ class ModelCheckpoint(Callback):
         )
         if sync or not self.async_save:
             self.wait_until_finished()
-
-    def _new_checkpointer(self) -> Any:
-        """jaxlight's checkpointer (same items), committing through this callback's publisher."""
-        from jaxlight.checkpoint import _new_checkpointer
-
-        base = _new_checkpointer(async_=self.async_save)
-        return type(base)(base.handler, temporary_path_class=_temporary_path_class(self._publisher))
 
     def wait_until_finished(self) -> None:
         """Block until every save has committed and its bookkeeping ran; raise a background save's error."""

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxlight import compat
+from jaxlight import compat, distributed
 from jaxlight.callbacks.callback import Callback
+from jaxlight.checkpoint.errors import Preempted
 from jaxlight.imports import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,8 +34,10 @@ class Preemption(Callback):
 
     The signal handler only records the signal. At the end of the current
     train step the run stops, the checkpoint and the data position are written
-    synchronously (through the trainer's ``ModelCheckpoint``), and ``fit``
-    raises :class:`jaxlight.Preempted` (a ``SystemExit`` with code 143).
+    synchronously (by the first of the trainer's checkpoint callbacks whose
+    :meth:`~jaxlight.callbacks.Callback.save_now` writes one, e.g.
+    ``ModelCheckpoint``), and ``fit`` raises :class:`jaxlight.Preempted` (a
+    ``SystemExit`` with code 143).
     Running the same script with ``ckpt_path="last"`` resumes at that point.
 
     In a multi-process run the signal may reach one process only: it publishes
@@ -65,10 +68,6 @@ class Preemption(Callback):
     @property
     def state_key(self) -> str:
         return "Preemption"
-
-    @property
-    def preemption_requested(self) -> bool:
-        return self.received is not None or self._stop_at is not None
 
     # ------------------------------------------------------------------ handlers
     def _handler(self, signum: int, frame: Any) -> None:
@@ -106,9 +105,8 @@ class Preemption(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         # A signal during the last step(s): training is over, but the scheduler still wants the process gone.
         if jax.process_count() > 1:
-            client = self._client()
-            client.wait_at_barrier(f"{self._ns}/end", _KV_TIMEOUT_MS)
-            requested = self.received is not None or self._try_get(client, f"{self._ns}/stop_at") is not None
+            self._client().wait_at_barrier(f"{self._ns}/end", _KV_TIMEOUT_MS)
+            requested = self.received is not None or distributed.kv_try_get(f"{self._ns}/stop_at") is not None
         else:
             requested = self.received is not None
         if requested:
@@ -116,29 +114,22 @@ class Preemption(Callback):
 
     @staticmethod
     def _client() -> Any:
+        # the coordination service's barrier (jaxlight.distributed has no barrier of its own yet)
         client = compat.distributed_client()
         if client is None:
             raise RuntimeError("Preemption in a multi-process run needs jax.distributed.initialize()")
         return client
 
-    @staticmethod
-    def _try_get(client: Any, key: str) -> str | None:
-        try:
-            return client.key_value_try_get(key)
-        except Exception:
-            return None
-
     def _should_stop_multi(self, trainer: Trainer) -> bool:
-        client = self._client()
         here = trainer.position.micro_batches
         if self._stop_at is None:
             if self.received is not None and not self._announced:
                 self._announced = True
-                try:  # the first process to propose wins; the others read its value
-                    client.key_value_set(f"{self._ns}/stop_at", str(here + AGREE_MARGIN))
+                try:  # the first process to propose wins (the store refuses a second set); the others read it
+                    distributed.kv_set(f"{self._ns}/stop_at", str(here + AGREE_MARGIN))
                 except Exception:
                     pass
-            value = self._try_get(client, f"{self._ns}/stop_at")
+            value = distributed.kv_try_get(f"{self._ns}/stop_at")
             if value is None:
                 return False
             self._stop_at = int(value)
@@ -150,16 +141,13 @@ class Preemption(Callback):
         return here >= self._stop_at
 
     def _stop(self, trainer: Trainer) -> None:
-        from jaxlight.checkpoint import Preempted
-
         signum = self.received
         path = None
-        from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
-
-        ckpt_cbs = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-        if ckpt_cbs:
-            path = ckpt_cbs[0].save_now(trainer, reason="preemption")
-        for cb in trainer.checkpoint_callbacks:  # other checkpoint callbacks finish what they started
+        for cb in trainer.checkpoint_callbacks:  # the first one that writes a checkpoint on demand
+            path = cb.save_now(trainer, reason="preemption")
+            if path:
+                break
+        for cb in trainer.checkpoint_callbacks:  # the others finish what they started
             cb.wait_until_finished()
         if self.verbose:
             name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
