@@ -28,8 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlight.errors import MisconfigurationError
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
-from jaxlight.optim import OptimizerConfig
-from jaxlight.optim import configure as configure_optimizers_output
+from jaxlight.optim import OptimizerConfig, configure
 from jaxlight.precision import Precision
 from jaxlight.state import ModelParts, merge_models, nnx_attributes, path_str, split_models
 from jaxlight.step import StepBuilder, StepExtension, TrainState
@@ -554,7 +553,7 @@ def _with_dataloader_idx(module: Any, method: str, dataloader_idx: int | None):
 
 def _as_config(optimizer: Any) -> OptimizerConfig:
     """An :class:`OptimizerConfig` from a parsed config or any ``configure_optimizers`` return form."""
-    return optimizer if isinstance(optimizer, OptimizerConfig) else configure_optimizers_output(optimizer)
+    return optimizer if isinstance(optimizer, OptimizerConfig) else configure(optimizer)
 
 
 def _assert_same_batch_across_processes(stage: str, batch: Any) -> None:

@@ -37,7 +37,7 @@ from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, batch_limit, loader_for, train_batches
 from jaxlight.module import LightningModule
-from jaxlight.optim import configure as configure_optimizer
+from jaxlight.optim import configure
 from jaxlight.position import LoopPosition
 from jaxlight.precision import resolve_precision
 from jaxlight.reporting import MetricReporter
@@ -617,7 +617,7 @@ class Trainer:
                     self.engine = Engine(chosen, self.mesh, self.precision_plugin)
                     self.engine.attach(model)
             self.engine.setup_model()
-            optimizer = configure_optimizer(
+            optimizer = configure(
                 self.call_module_hook("configure_optimizers"),
                 gradient_clip_val=self.gradient_clip_val,
                 gradient_clip_algorithm=self.gradient_clip_algorithm,
