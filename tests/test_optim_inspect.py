@@ -160,3 +160,29 @@ def test_monitor_logs_what_it_can_and_warns_once_naming_the_rest():
     with pytest.warns(UserWarning, match=r"does not log the learning rate of optimizer 1 \(Adam\).*inject_hyperparams"):
         trainer.fit(Two(), batches(*make_data(32), 16))
     assert mon.lrs == {"lr-SGD": [pytest.approx(0.1)] * 2}
+
+
+def test_reads_and_plateau_steps_work_on_offloaded_optimizer_state():
+    """HostOffload keeps the optimizer state in host memory: the reads and the plateau step copy only the
+    scalars they need to the device, and give what they give without offloading."""
+
+    class Plateau(EagerClassifier):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_const", jnp.float32(1.0))
+
+        def configure_optimizers(self):
+            adam = optax.inject_hyperparams(optax.adam)(learning_rate=SCHED)
+            plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=0)
+            return {"optimizer": adam, "lr_scheduler": {"scheduler": plateau, "monitor": "val_const"}}
+
+    data = batches(*make_data(64), 16)
+    got = []
+    for strategy in (jl.strategies.FSDP(), jl.strategies.FSDP() + jl.strategies.HostOffload()):
+        mon = LearningRateMonitor(log_momentum=True)
+        trainer = jl.Trainer(
+            max_epochs=3, strategy=strategy, callbacks=[mon], **quiet(logger=jl.loggers.CSVLogger("logs"))
+        )
+        trainer.fit(Plateau(), data, val_dataloaders=data[:1])
+        got.append((mon.lrs, mon.last_momentum_values, float(plateau_states(trainer.train_state.opt_state)[0].scale)))
+    assert got[1] == got[0]
+    assert got[0][2] < 1 and len(got[0][0]["lr-Adam"]) == 3  # the plateau acted

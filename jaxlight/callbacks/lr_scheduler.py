@@ -30,6 +30,7 @@ from jaxlight.optim.schedules import (
     is_plateau_state,
     plateau_states,
     plateau_stepper,
+    shardings_of,
     with_learning_rate,
 )
 
@@ -80,7 +81,8 @@ class LRSchedulerStepper(Callback):
                 found = plateau_states(sub)
                 nodes = [found[p] for p in c.plateau_nodes]
                 is_leaf = is_plateau_state
-                step = plateau_stepper(opt.tx, opt.updates_like(trainer.train_state.params), c.plateau_nodes)
+                like = opt.updates_like(trainer.train_state.params)
+                step = plateau_stepper(opt.tx, like, c.plateau_nodes, shardings_of(sub))
             elif c.interval == "epoch":
                 nodes = driven_states(sub)
                 is_leaf = is_injected_state

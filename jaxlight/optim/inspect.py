@@ -36,7 +36,14 @@ import optax
 import optax.contrib
 
 from jaxlight.optim.params import FROZEN, KnownGroup
-from jaxlight.optim.schedules import hold_plateaus, is_injected_state, plateau_states, zeros_like_updates
+from jaxlight.optim.schedules import (
+    hold_plateaus,
+    is_injected_state,
+    plateau_states,
+    shardings_of,
+    to_device_memory,
+    zeros_like_updates,
+)
 
 # optax function names -> the class name torch (and so Lightning's LearningRateMonitor) would print
 ALIAS_NAMES = {
@@ -242,7 +249,7 @@ def inspect_transform(
     known: Mapping[str, KnownGroup] | None = None,
     schedule: Callable[[Any], Any] | None = None,
 ) -> TransformInfo:
-    """Read the optimizer ``tx`` from its ``state`` (arrays or shapes): groups, names, and where each group's
+    """Read the optimizer ``tx`` from its ``state`` (arrays, or shapes): groups, names, and where each group's
     hyperparameters are. ``like``: its updates' shapes (``jax.ShapeDtypeStruct``, ``optax.MaskedNode``
     where masked); ``known``: facts of the groups jaxlight built, by partition label; ``schedule``: the
     step-interval schedule the user named for it (read at its ``ScaleByScheduleState`` count when the
@@ -285,8 +292,10 @@ def inspect_transform(
     optimized = [g for g in infos if not g.frozen]
     probe = any(g.injected for g in optimized)
     held = hold_plateaus(tx)
+    shardings = shardings_of(state)  # HostOffload: read host-resident scalars through device copies
 
     def values(state: Any) -> list[dict[str, Any]]:
+        state = to_device_memory(state, shardings)
         if probe:  # the injected values the next update uses are the ones it stores
             zeros = zeros_like_updates(like)
             inj = injected_states(held.update(zeros, state, zeros)[1])

@@ -204,13 +204,33 @@ def hold_plateaus(tx: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
+def shardings_of(state: Any) -> Any:
+    """The shardings of ``state``'s arrays (None for shapes): what :func:`to_device_memory` needs."""
+    return jax.tree.map(lambda x: getattr(x, "sharding", None), state)
+
+
+def to_device_memory(state: Any, shardings: Any) -> Any:
+    """Inside a jitted function: the leaves of ``state`` that live in host memory (``HostOffload``) copied
+    into device memory, so optax's update can combine them with device arrays. Under ``jax.jit`` only the
+    copies of leaves the function really reads survive."""
+    if shardings is None:
+        return state
+
+    def move(x: Any, s: Any) -> Any:
+        if getattr(s, "memory_kind", None) in (None, "device"):
+            return x
+        return jax.device_put(x, s.with_memory_kind("device"))
+
+    return jax.tree.map(move, state, shardings)
+
+
 def zeros_like_updates(like: Any) -> Any:
     """Zero updates shaped as ``like`` (``jax.ShapeDtypeStruct`` leaves; ``optax.MaskedNode`` kept)."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
 
 
 def plateau_stepper(
-    tx: optax.GradientTransformation, like: Any, positions: Sequence[int]
+    tx: optax.GradientTransformation, like: Any, positions: Sequence[int], shardings: Any = None
 ) -> Callable[[Any, Any], list[ReduceLROnPlateauState]]:
     """``(state, value) -> the plateau states at positions, stepped with the monitored value``.
 
@@ -218,12 +238,14 @@ def plateau_stepper(
     ``value=``) and keeps only the plateau states it asked for, so each
     plateau steps as optax steps it, wherever it sits in ``tx`` and whatever
     its arguments; under ``jax.jit`` everything else is dead code, and the
-    compiled function reads only the plateau states' scalars.
+    compiled function reads only the plateau states' scalars. ``shardings``
+    (:func:`shardings_of` the state) lets it read a state kept in host memory.
     """
     inner = optax.with_extra_args_support(tx)
     positions = list(positions)
 
     def step(state: Any, value: Any) -> list[ReduceLROnPlateauState]:
+        state = to_device_memory(state, shardings)
         zeros = zeros_like_updates(like)
         _, new = inner.update(zeros, state, zeros, value=jnp.asarray(value, jnp.float32))
         nodes = plateau_states(new)
@@ -243,6 +265,8 @@ __all__ = [
     "plateau_states",
     "plateau_stepper",
     "scheduler_config",
+    "shardings_of",
+    "to_device_memory",
     "with_learning_rate",
     "zeros_like_updates",
 ]
