@@ -29,8 +29,7 @@ from jaxlight.errors import MisconfigurationError
 from jaxlight.hooks import names_parameter, takes_argument
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
-from jaxlight.optim import OptimizerConfig
-from jaxlight.optim import configure as configure_optimizers_output
+from jaxlight.optim import OptimizerConfig, configure
 from jaxlight.precision import Precision
 from jaxlight.stages import STAGES
 from jaxlight.state import ModelParts, merge_models, nnx_attributes, path_str, split_models
@@ -537,7 +536,7 @@ def _with_dataloader_idx(module: Any, method: str, dataloader_idx: int | None):
 
 def _as_config(optimizer: Any) -> OptimizerConfig:
     """An :class:`OptimizerConfig` from a parsed config or any ``configure_optimizers`` return form."""
-    return optimizer if isinstance(optimizer, OptimizerConfig) else configure_optimizers_output(optimizer)
+    return optimizer if isinstance(optimizer, OptimizerConfig) else configure(optimizer)
 
 
 def _assert_same_batch_across_processes(stage: str, batch: Any) -> None:

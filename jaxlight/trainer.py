@@ -40,7 +40,7 @@ from jaxlight.imports import sync_rank
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, LoopParts, batch_limit, loader_for, stage_run, train_batches
 from jaxlight.module import LightningModule
-from jaxlight.optim import configure as configure_optimizer
+from jaxlight.optim import configure
 from jaxlight.position import LoopPosition
 from jaxlight.reporting import MetricReporter, print_results
 from jaxlight.stages import STAGES, TRAIN, VALIDATE
@@ -368,7 +368,7 @@ class Trainer(ConfigAttributes):
                     self.engine = Engine(chosen, chosen.build_mesh(self._devices), self.config.precision)
                     self.engine.attach(model)
             self.engine.setup_model()
-            optimizer = configure_optimizer(
+            optimizer = configure(
                 self.call_module_hook("configure_optimizers"),
                 gradient_clip_val=self.gradient_clip_val,
                 gradient_clip_algorithm=self.gradient_clip_algorithm,

@@ -26,7 +26,7 @@ class Scheduled(Classifier):
             return {"optimizer": optax.sgd(SCHED), "lr_scheduler": {"scheduler": SCHED}}
         if self.kind == "inject":
             return optax.inject_hyperparams(optax.adam)(learning_rate=SCHED)
-        return optax.adam(1e-3)
+        return optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
 
 
 def read_column(path, name):
@@ -78,8 +78,9 @@ def test_inject_hyperparams_reads_the_optimizer_state():
 
 
 def test_fixed_float_lr_is_read_like_lightning():
-    """A float learning rate baked into an optax transform is found in its structure and logged (Lightning
-    logs an optimizer without a scheduler at each epoch start); it used to be refused."""
+    """A fixed float learning rate is logged at each epoch start, as Lightning logs an optimizer without a
+    scheduler. It is injected: a rate baked into an optax transform is not in its state and is not read
+    (tests/test_optim_inspect.py)."""
     mon = LearningRateMonitor()
     trainer = jl.Trainer(max_epochs=1, devices=1, callbacks=[mon], **quiet(logger=jl.loggers.CSVLogger("logs")))
     trainer.fit(Scheduled("fixed"), DATA)

@@ -1,4 +1,4 @@
-"""LearningRateMonitor finds learning rates anywhere in an optax optimizer and names them as Lightning does."""
+"""LearningRateMonitor finds injected learning rates anywhere in an optax optimizer and names them as Lightning does."""
 
 import os
 
@@ -46,8 +46,13 @@ def lightning_events(epochs, n, log_every, epoch_start=True, step=True):
 
 
 def test_schedule_inside_chain_and_adamw_is_found():
-    """The issue's case: optax.chain(clip, adamw(schedule)) is not "a fixed learning rate"."""
-    mon, trainer = run(lambda self: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(SCHED)))
+    """The issue's case: a schedule behind clipping is not "a fixed learning rate" (injected, so the optimizer
+    state holds it; a baked-in one is refused, tests/test_optim_inspect.py)."""
+    mon, trainer = run(
+        lambda self: optax.chain(
+            optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=SCHED)
+        )
+    )
     assert list(mon.lrs) == ["lr-AdamW"]
     want = [float(SCHED(g)) for g in lightning_events(2, len(DATA), 2)]
     np.testing.assert_allclose(mon.lrs["lr-AdamW"], want, rtol=1e-6)
@@ -62,7 +67,12 @@ def test_injected_schedule_is_the_rate_of_the_next_update():
 
 
 def test_step_interval_scheduler_is_logged_at_the_step_cadence_only():
-    mon, _ = run(lambda self: {"optimizer": optax.sgd(SCHED), "lr_scheduler": {"scheduler": SCHED, "name": "my-lr"}})
+    mon, _ = run(
+        lambda self: {
+            "optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=SCHED),
+            "lr_scheduler": {"scheduler": SCHED, "name": "my-lr"},
+        }
+    )
     want = [float(SCHED(g)) for g in lightning_events(2, len(DATA), 2, epoch_start=False)]
     assert list(mon.lrs) == ["my-lr"]
     np.testing.assert_allclose(mon.lrs["my-lr"], want, rtol=1e-6)
@@ -80,8 +90,8 @@ def test_names_of_groups_and_of_several_optimizers():
     assert list(mon.lrs) == ["lr-Adam/all"]
 
     two = lambda self: [
-        {"optimizer": optax.adam(1e-2), "params": self.net.l1},
-        {"optimizer": optax.adam(1e-3), "params": self.net.l2},
+        {"optimizer": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), "params": self.net.l1},
+        {"optimizer": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "params": self.net.l2},
     ]
     mon, _ = run(two, epochs=1, logging_interval="epoch")
     assert mon.lrs == {"lr-Adam": [pytest.approx(1e-2)], "lr-Adam-1": [pytest.approx(1e-3)]}
@@ -89,7 +99,7 @@ def test_names_of_groups_and_of_several_optimizers():
 
 def test_momentum_and_weight_decay():
     mon, trainer = run(
-        lambda self: optax.adamw(1e-3, b1=0.8, weight_decay=0.05),
+        lambda self: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, b1=0.8, weight_decay=0.05),
         epochs=1,
         logging_interval="epoch",
         log_momentum=True,
@@ -110,7 +120,7 @@ def test_lr_in_callback_metrics_serves_checkpoint_monitor_and_file_names(tmp_pat
         callbacks=[mon, ckpt],
         **quiet(logger=jl.loggers.CSVLogger("logs"), enable_checkpointing=True),
     )
-    trainer.fit(returning(lambda self: optax.sgd(SCHED))(), DATA)
+    trainer.fit(returning(lambda self: optax.inject_hyperparams(optax.sgd)(learning_rate=SCHED))(), DATA)
     last = mon.lrs["lr-SGD"][-1]
     assert float(ckpt.best_model_score) == pytest.approx(last, rel=1e-6)
     assert f"lr-SGD={last:.4f}" in os.path.basename(ckpt.best_model_path)
@@ -204,8 +214,8 @@ class _Manual(EagerClassifier):
 
     def configure_optimizers(self):
         return [
-            {"optimizer": optax.sgd(0.1), "params": self.net.l1},
-            {"optimizer": optax.sgd(0.01), "params": self.net.l2},
+            {"optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), "params": self.net.l1},
+            {"optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.01), "params": self.net.l2},
         ]
 
 
@@ -217,9 +227,12 @@ def _jaxlight_run(kind):
         return jl.optim.param_groups(optax.sgd, [g1, g2], learning_rate=0.1, momentum=0.9)
 
     returned = {
-        "sgd": lambda self: optax.sgd(0.1),
-        "adam_sched": lambda self: {"optimizer": optax.adam(SCHED), "lr_scheduler": SCHED},
-        "adamw": lambda self: optax.adamw(1e-3, weight_decay=0.01),
+        "sgd": lambda self: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        "adam_sched": lambda self: {
+            "optimizer": optax.inject_hyperparams(optax.adam)(learning_rate=SCHED),
+            "lr_scheduler": SCHED,
+        },
+        "adamw": lambda self: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.01),
         "groups": lambda self: groups(self, False),
         "named_groups": lambda self: groups(self, True),
     }

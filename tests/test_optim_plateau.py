@@ -78,16 +78,22 @@ def plateau_states(trainer):
 
 FORMS = {
     "scheduler dict": lambda: {
-        "optimizer": optax.sgd(LR),
+        "optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=LR),
         "lr_scheduler": {"scheduler": plateau(), "monitor": "val_const"},
     },
-    "inside, top-level monitor": lambda: {"optimizer": optax.chain(optax.sgd(LR), plateau()), "monitor": "val_const"},
+    "inside, top-level monitor": lambda: {
+        "optimizer": optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=LR), plateau()),
+        "monitor": "val_const",
+    },
 }
 
 
 def _same_object():
     p = plateau()
-    return {"optimizer": optax.chain(optax.sgd(LR), p), "lr_scheduler": {"scheduler": p, "monitor": "val_const"}}
+    return {
+        "optimizer": optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=LR), p),
+        "lr_scheduler": {"scheduler": p, "monitor": "val_const"},
+    }
 
 
 FORMS["inside and named"] = _same_object

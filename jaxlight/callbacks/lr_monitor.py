@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
+from jaxlight.imports import rank_zero_warn
 
 
 class _Entry(NamedTuple):
@@ -17,7 +18,7 @@ class _Entry(NamedTuple):
 
     optimizer: int  # index into trainer.engine.optimizer.optimizers
     interval: str | None  # the scheduler's interval; None: an optimizer without scheduler (logged at both)
-    names: list[str]  # one per optimized parameter group
+    names: list[str | None]  # one per optimized parameter group; None where its rate cannot be read
 
 
 def _suffix(name: str, groups: list[Any], j: int) -> str:
@@ -31,16 +32,17 @@ def _suffix(name: str, groups: list[Any], j: int) -> str:
 
 def _plan(config: Any, infos: list[Any]) -> list[_Entry]:
     """Lightning's naming: scheduler configs first (their ``name``, else ``lr-<Optimizer>``), then
-    optimizers without one; a second optimizer of the same type gets ``-1``, a third ``-2``."""
+    optimizers without one; a second optimizer of the same type gets ``-1``, a third ``-2``. Groups whose
+    rate cannot be read keep their place in the numbering and are not logged."""
     seen: collections.defaultdict[str, int] = collections.defaultdict(int)
     entries: list[_Entry] = []
     with_scheduler: set[int] = set()
 
-    def names(base: str, kind: str, i: int) -> list[str]:
+    def names(base: str, kind: str, i: int) -> list[str | None]:
         if kind in seen and seen[kind] > 1:
             base = f"{base}-{seen[kind] - 1}"
         groups = infos[i].optimized_groups
-        return [_suffix(base, groups, j) for j in range(len(groups))]
+        return [_suffix(base, groups, j) if g.readable else None for j, g in enumerate(groups)]
 
     for c in config.schedulers:
         i = c.optimizer_index
@@ -63,17 +65,36 @@ def _kind(info: Any) -> str:
     return groups[0].name if groups else "SGD"
 
 
+def _where(i: int, g: Any) -> str:
+    return f"optimizer {i} ({g.name}" + (f", group {g.label!r})" if g.label is not None else ")")
+
+
+_HOW = (
+    "jaxlight reads learning rates from the optax state only, and a rate baked into an optax optimizer "
+    "(optax.adam(1e-3), optax.adamw(schedule)) lives in optax's closures, not in its state. Build the "
+    "optimizer with optax.inject_hyperparams (optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "
+    "a schedule works too), use jl.optim.param_groups, or name the schedule it uses: "
+    '{"optimizer": optax.adamw(schedule), "lr_scheduler": schedule}'
+)
+
+
 class LearningRateMonitor(Callback):
     """Logs the learning rate of every optimizer (and parameter group) as Lightning does.
 
     Names: ``lr-<Optimizer>`` with torch's class name for the optax optimizer
-    (``lr-SGD``, ``lr-Adam``, ``lr-AdamW``, read from the transformation,
-    also inside ``optax.chain``, ``inject_hyperparams``, ``multi_transform``
-    and ``MultiSteps``); a scheduler's ``name`` when it has one; ``-1``,
-    ``-2`` for further optimizers of the same type; ``/pg1``, ``/pg2`` (or
-    the group's name) for parameter groups. The value is the rate the next
-    update uses: the schedule at the optimizer's step count, times any
-    ``reduce_on_plateau`` scale, as torch's ``param_group["lr"]``.
+    (``lr-SGD``, ``lr-Adam``, ``lr-AdamW``, told by its state's types, also
+    inside ``optax.chain``, ``inject_hyperparams``, ``partition`` and
+    ``MultiSteps``); a scheduler's ``name`` when it has one; ``-1``, ``-2``
+    for further optimizers of the same type; ``/pg1``, ``/pg2`` (or the
+    group's name) for parameter groups. The value is the rate the next
+    update uses, as torch's ``param_group["lr"]``: the injected learning rate
+    (``optax.inject_hyperparams``, :func:`jaxlight.optim.param_groups`, a
+    scheduler driving it) or the named schedule at the optimizer's step
+    count, times any ``reduce_on_plateau`` scale. Only the optax *state* is
+    read (:mod:`jaxlight.optim.inspect`): a rate baked into a transformation
+    (``optax.adam(1e-3)``) is not there, so such an optimizer is not logged
+    and a warning at train start names it; when no rate at all can be read,
+    the monitor raises.
 
     When: ``logging_interval=None`` logs step-interval schedulers at the
     trainer's ``log_every_n_steps`` cadence (at the start of the batch),
@@ -85,7 +106,7 @@ class LearningRateMonitor(Callback):
     ``"{lr-SGD}"`` in file names work). ``log_momentum`` adds
     ``<name>-momentum`` (Adam's ``b1``, SGD's momentum, else 0) and
     ``log_weight_decay`` ``<name>-weight_decay`` (decoupled weight decay,
-    else 0). Reading the values syncs with the device only when logging.
+    else 0), where the state holds them (injected, or param groups). Reading the values syncs with the device only when logging.
     """
 
     def __init__(
@@ -102,23 +123,30 @@ class LearningRateMonitor(Callback):
         self.last_momentum_values: dict[str, float | None] = {}
         self.last_weight_decay_values: dict[str, float | None] = {}
         self._entries: list[_Entry] = []
+        self._infos: list[Any] = []  # jaxlight.optim.TransformInfo per optimizer, read at train start
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.loggers and not trainer.fast_dev_run:
             raise MisconfigurationError("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.")
         config = trainer.engine.optimizer
-        infos = config.inspect(trainer.train_state.opt_state)
-        for i, info in enumerate(infos):
-            for g in info.optimized_groups:
-                if not g.lr_sources:
-                    where = f"optimizer {i}" + (f", group {g.label!r}" if g.label is not None else "")
-                    raise MisconfigurationError(
-                        f"LearningRateMonitor cannot find a learning rate in {where} ({g.name}): its transformation "
-                        f"has no learning-rate scale (optax.scale, scale_by_learning_rate or a schedule); build it "
-                        f"with an optax optimizer (optax.adamw(lr), ...) or add optax.scale_by_learning_rate(lr)"
-                    )
-        self._entries = _plan(config, infos)
-        names = [n for e in self._entries for n in e.names]
+        self._infos = config.inspect(trainer.train_state.opt_state, trainer.train_state.params)
+        groups = [(i, g) for i, info in enumerate(self._infos) for g in info.optimized_groups]
+        unread = [_where(i, g) for i, g in groups if not g.readable]
+        if groups and len(unread) == len(groups):
+            raise MisconfigurationError(
+                f"LearningRateMonitor cannot find a learning rate in {', '.join(unread)}: {_HOW}"
+            )
+        wanted = {"momentum": self.log_momentum, "weight decay": self.log_weight_decay}
+        partial = [
+            f"{_where(i, g)}: its {' and '.join(m for m in g.missing if wanted.get(m))}"
+            for i, g in groups
+            if g.readable and any(wanted.get(m) for m in g.missing)
+        ]
+        if unread or partial:
+            parts = ([f"the learning rate of {', '.join(unread)}"] if unread else []) + partial
+            rank_zero_warn(f"LearningRateMonitor does not log {'; '.join(parts)}. {_HOW}")
+        self._entries = _plan(config, self._infos)
+        names = [n for e in self._entries for n in e.names if n is not None]
         self.lrs = {n: [] for n in names}
         self.last_momentum_values = {f"{n}-momentum": None for n in names}
         self.last_weight_decay_values = {f"{n}-weight_decay": None for n in names}
@@ -144,21 +172,20 @@ class LearningRateMonitor(Callback):
             return {}
         config = trainer.engine.optimizer
         state = trainer.train_state.opt_state
-        infos: dict[int, Any] = {}
+        read: dict[int, list[dict[str, Any]]] = {}
         for e in entries:
-            if e.optimizer not in infos:
-                o = config.optimizers[e.optimizer]
-                infos[e.optimizer] = config.inspect_one(o, state)
+            if e.optimizer not in read:
+                read[e.optimizer] = self._infos[e.optimizer].values(config.optimizers[e.optimizer].state_of(state))
         values: dict[str, Any] = {}
         for e in entries:
-            for name, g in zip(e.names, infos[e.optimizer].optimized_groups):
-                values[name] = g.lr()
-                if self.log_momentum:
-                    m = g.momentum()
-                    values[f"{name}-momentum"] = m if m is not None else jnp.float32(0.0)
-                if self.log_weight_decay:
-                    w = g.weight_decay()
-                    values[f"{name}-weight_decay"] = w if w is not None else jnp.float32(0.0)
+            for name, got in zip(e.names, read[e.optimizer]):
+                if name is None:
+                    continue
+                values[name] = got["lr"]
+                if self.log_momentum and "momentum" in got:
+                    values[f"{name}-momentum"] = got["momentum"]
+                if self.log_weight_decay and "weight_decay" in got:
+                    values[f"{name}-weight_decay"] = got["weight_decay"]
         host = {k: float(v) for k, v in jax.device_get(values).items()}  # one fetch for every value
         for k, v in host.items():
             if k in self.lrs:
@@ -173,6 +200,7 @@ class LearningRateMonitor(Callback):
     def _log(self, trainer: Any, interval: str) -> None:
         stats = self._extract(trainer, interval)
         if stats and trainer.is_global_zero and trainer.loggers:
+            # MERGE(issue 21): the one host-logging call; becomes trainer.reporter.log_metrics(stats, step=...)
             from jaxlight.loggers.logger import LoggerCollection
 
             LoggerCollection(trainer.loggers).log_metrics(stats, step=trainer.global_step)

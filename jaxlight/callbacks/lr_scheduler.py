@@ -6,7 +6,10 @@ schedule with ``"interval": "epoch"``. Their state lives in the optimizer
 state (checkpointed with it); this callback changes only those few scalars,
 with small jitted functions whose outputs keep the train state's shardings,
 so the compiled train step never takes a metric argument and is never
-recompiled.
+recompiled. A plateau is stepped by its optimizer's own update, run on zero
+updates with ``value=`` (:func:`jaxlight.optim.plateau_stepper`): the plateau
+steps exactly as optax steps it, and the jitted function keeps only its
+scalars.
 """
 
 from __future__ import annotations
@@ -20,14 +23,24 @@ import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
-from jaxlight.optim import SchedulerConfig, is_injected_state, is_plateau_state, step_plateau
+from jaxlight.optim.schedules import (
+    SchedulerConfig,
+    driven_states,
+    is_injected_state,
+    is_plateau_state,
+    plateau_states,
+    plateau_stepper,
+    shardings_of,
+    with_learning_rate,
+)
 
 
 class _Target(NamedTuple):
     config: SchedulerConfig
+    state_of: Callable[[Any], Any]  # TrainState.opt_state -> the scheduler's optimizer's state
     is_leaf: Callable[[Any], bool]  # flattening TrainState.opt_state with this makes the targets leaves
     positions: list[int]  # the targets' positions among those leaves
-    fn: Any  # jitted (nodes, value) -> nodes
+    fn: Any  # jitted (optimizer state, value) -> the targets, updated
 
 
 def _flat(tree: Any, is_leaf: Callable[[Any], bool]) -> tuple[list[Any], Any]:
@@ -60,24 +73,22 @@ class LRSchedulerStepper(Callback):
         config = trainer.engine.optimizer
         state = trainer.train_state.opt_state
         shardings = trainer.engine.state_shardings.opt_state
-        infos = config.inspect(state)
         self._targets, self._pending = [], []
         for c in config.schedulers:
-            info = infos[c.optimizer_index]
+            opt = config.optimizers[c.optimizer_index]
+            sub = opt.state_of(state)
             if c.reduce_on_plateau:
-                nodes = [n for fn, n in info.plateaus if fn is c.plateau_update]
+                found = plateau_states(sub)
+                nodes = [found[p] for p in c.plateau_nodes]
                 is_leaf = is_plateau_state
-                fns = [c.plateau_update] * len(nodes)
-
-                def step(nodes: list, value: Any, fns: list = fns) -> list:
-                    return [step_plateau(fn, n, value) for fn, n in zip(fns, nodes)]
-
+                like = opt.updates_like(trainer.train_state.params)
+                step = plateau_stepper(opt.tx, like, c.plateau_nodes, shardings_of(sub))
             elif c.interval == "epoch":
-                nodes = [n for marker, n in info.driven if marker[2] is c.scheduler]
+                nodes = driven_states(sub)
                 is_leaf = is_injected_state
 
-                def step(nodes: list, epoch: Any, c: SchedulerConfig = c) -> list:
-                    return [_with_lr(n, c.scheduler(epoch // c.frequency)) for n in nodes]
+                def step(sub: Any, epoch: Any, c: SchedulerConfig = c) -> list:
+                    return [with_learning_rate(n, c.scheduler(epoch // c.frequency)) for n in driven_states(sub)]
 
             else:
                 continue
@@ -88,13 +99,13 @@ class LRSchedulerStepper(Callback):
             positions = [where[id(n)] for n in nodes]
             sh_leaves, _ = _flat(shardings, is_leaf)
             out = [sh_leaves[p] for p in positions]
-            self._targets.append(_Target(c, is_leaf, positions, jax.jit(step, out_shardings=out)))
+            self._targets.append(_Target(c, opt.state_of, is_leaf, positions, jax.jit(step, out_shardings=out)))
         self._set_epoch_rates(trainer)
 
     def _apply(self, trainer: Any, target: _Target, value: Any) -> None:
         st = trainer.train_state
+        new = target.fn(target.state_of(st.opt_state), value)
         leaves, treedef = _flat(st.opt_state, target.is_leaf)
-        new = target.fn([leaves[p] for p in target.positions], value)
         for p, n in zip(target.positions, new):
             leaves[p] = n
         trainer.train_state = st._replace(opt_state=jax.tree_util.tree_unflatten(treedef, leaves))
@@ -153,8 +164,3 @@ class LRSchedulerStepper(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._flush(trainer)
-
-
-def _with_lr(node: Any, value: Any) -> Any:
-    lr = node.hyperparams["learning_rate"]
-    return node._replace(hyperparams={**node.hyperparams, "learning_rate": jnp.asarray(value, jnp.asarray(lr).dtype)})

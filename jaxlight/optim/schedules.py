@@ -1,0 +1,272 @@
+"""Learning-rate schedulers: Lightning's scheduler config, the injected learning rate, plateau schedulers.
+
+An optax schedule applied through the optimizer's own step count needs no
+help. What Lightning steps outside the update needs two pieces here:
+:func:`drive_learning_rate` sets an ``optax.inject_hyperparams`` learning
+rate from a schedule (at every update, or from the host for
+``interval="epoch"``), and :func:`hold_plateaus` keeps
+``optax.contrib.reduce_on_plateau`` states still inside the compiled step,
+so that only the host moves them, with the monitored metric
+(:func:`plateau_stepper`). Everything is found in the optimizer *state*
+(public optax state types), never inside the transformations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import ReduceLROnPlateauState
+
+from jaxlight.errors import MisconfigurationError
+
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def is_plateau_state(node: Any) -> bool:
+    """Whether ``node`` is the state of an ``optax.contrib.reduce_on_plateau``."""
+    return isinstance(node, ReduceLROnPlateauState)
+
+
+def is_injected_state(node: Any) -> bool:
+    """Whether ``node`` is the state of an ``optax.inject_hyperparams`` transformation."""
+    return isinstance(node, _INJECTED)
+
+
+def plateau_states(state: Any) -> list[ReduceLROnPlateauState]:
+    """The ``reduce_on_plateau`` states in ``state``, in flattening order."""
+    return [n for n in jax.tree.leaves(state, is_leaf=is_plateau_state) if is_plateau_state(n)]
+
+
+def driven_states(state: Any) -> list[Any]:
+    """The outermost ``inject_hyperparams`` states of ``state`` whose ``learning_rate`` is a number (not a
+    schedule of their own): the ones :func:`drive_learning_rate` sets, in flattening order."""
+    return [
+        n
+        for n in jax.tree.leaves(state, is_leaf=is_injected_state)
+        if is_injected_state(n)
+        and "learning_rate" in n.hyperparams
+        and "learning_rate" not in getattr(n, "hyperparams_states", {})
+    ]
+
+
+def is_plateau(obj: Any) -> bool:
+    """Whether ``obj`` is an ``optax.contrib.reduce_on_plateau`` transformation (its state says so)."""
+    if not isinstance(obj, optax.GradientTransformation):
+        return False
+    try:
+        shape = jax.eval_shape(obj.init, {})
+    except Exception:  # a transformation that cannot start without parameters is not a plateau
+        return False
+    return is_plateau_state(shape)
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """One learning-rate scheduler, as Lightning's ``LRSchedulerConfig``.
+
+    ``scheduler`` is an optax schedule (``count -> lr``) or an
+    ``optax.contrib.reduce_on_plateau`` transformation. ``interval``: what a
+    schedule counts, ``"step"`` (optimizer steps; the default, since optax
+    schedules count steps) or ``"epoch"`` (the learning rate is
+    ``schedule(epoch // frequency)``, set at each epoch start; the optimizer
+    must inject its learning rate). A plateau scheduler is stepped with
+    ``trainer.callback_metrics[monitor]`` every ``frequency`` epochs (or
+    steps), after validation, as Lightning steps ``ReduceLROnPlateau``; its
+    default interval is ``"epoch"``. ``strict``: a missing monitored metric
+    raises (else warns and skips). ``optimizer_index``: the optimizer it
+    belongs to (position in what ``configure_optimizers`` returned).
+    """
+
+    scheduler: Any
+    name: str | None = None
+    interval: str = "step"
+    frequency: int = 1
+    reduce_on_plateau: bool = False
+    monitor: str | None = None
+    strict: bool = True
+    optimizer_index: int = 0
+    # set by OptimizerConfig.build: which of the optimizer's plateau states (plateau_states order) it steps
+    plateau_nodes: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+
+
+_SCHEDULER_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"optimizer_index", "plateau_nodes"}
+
+
+def scheduler_config(item: Any, index: int, monitor: str | None) -> SchedulerConfig:
+    """Parse one scheduler as returned (a schedule, a plateau, or Lightning's scheduler dict) for optimizer
+    ``index``; ``monitor`` is the enclosing dict's top-level one."""
+    if isinstance(item, Mapping):
+        extra = set(item) - _SCHEDULER_KEYS
+        if extra:
+            raise MisconfigurationError(
+                f"lr scheduler dict has unknown key(s) {sorted(extra)}; supported: {sorted(_SCHEDULER_KEYS)}"
+            )
+        if "scheduler" not in item:
+            raise MisconfigurationError(
+                'The lr scheduler dict must have the key "scheduler" with an optax schedule or '
+                "optax.contrib.reduce_on_plateau(...) as its value"
+            )
+        kw = dict(item)
+    else:
+        kw = {"scheduler": item}
+    sched = kw["scheduler"]
+    plateau = kw.get("reduce_on_plateau", is_plateau(sched))
+    if plateau and not is_plateau(sched):
+        raise MisconfigurationError(
+            "reduce_on_plateau=True needs an optax.contrib.reduce_on_plateau(...) transformation as the scheduler"
+        )
+    if not plateau and (not callable(sched) or isinstance(sched, optax.GradientTransformation)):
+        raise MisconfigurationError(
+            f"lr_scheduler must be an optax schedule (step -> lr, e.g. optax.cosine_decay_schedule(...)) or "
+            f"optax.contrib.reduce_on_plateau(...), got {type(sched).__name__}"
+        )
+    kw.setdefault("interval", "epoch" if plateau else "step")
+    if kw["interval"] not in ("step", "epoch"):
+        raise MisconfigurationError(
+            f'The "interval" key in lr scheduler dict must be "step" or "epoch" but is "{kw["interval"]}"'
+        )
+    freq = kw.get("frequency", 1)
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise MisconfigurationError(f'The "frequency" key in lr scheduler dict must be an int >= 1, got {freq!r}')
+    if plateau:
+        kw["monitor"] = kw.get("monitor") or monitor
+        if kw["monitor"] is None:
+            raise MisconfigurationError(
+                "The lr scheduler dict must include a monitor when reduce_on_plateau is used. For example: "
+                '{"optimizer": tx, "lr_scheduler": {"scheduler": optax.contrib.reduce_on_plateau(...), '
+                '"monitor": "val_loss"}}'
+            )
+    kw["reduce_on_plateau"] = plateau
+    return SchedulerConfig(**kw, optimizer_index=index)
+
+
+def with_learning_rate(node: Any, value: Any) -> Any:
+    """The ``inject_hyperparams`` state ``node`` with its ``learning_rate`` set to ``value`` (same dtype)."""
+    lr = node.hyperparams["learning_rate"]
+    return node._replace(hyperparams={**node.hyperparams, "learning_rate": jnp.asarray(value, jnp.asarray(lr).dtype)})
+
+
+def drive_learning_rate(
+    tx: optax.GradientTransformation, schedule: Any, *, interval: str = "step", frequency: int = 1
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with every injected ``learning_rate`` set to ``schedule(count // frequency)`` before each update.
+
+    ``count`` is the injected state's own update count, i.e. the optimizer
+    steps taken (accumulation windows count once). With ``interval="epoch"``
+    the update leaves the injected value alone: the host sets it to
+    ``schedule(epoch // frequency)`` at each epoch start
+    (:class:`~jaxlight.callbacks.lr_scheduler.LRSchedulerStepper`).
+    """
+    inner = optax.with_extra_args_support(tx)
+
+    def set_lr(state: Any) -> Any:
+        def one(node: Any) -> Any:
+            if is_injected_state(node) and "learning_rate" in node.hyperparams:
+                return with_learning_rate(node, schedule(node.count // frequency))
+            return node
+
+        return jax.tree.map(one, state, is_leaf=is_injected_state)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        if interval == "step":
+            state = set_lr(state)
+        return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def hold_plateaus(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``reduce_on_plateau`` parts only scale the updates by their current scale.
+
+    The compiled step calls this without a metric: each plateau state goes in
+    with a count that keeps its ``accumulation_size`` test false and comes
+    out unchanged. Its scale moves only when the host steps it with the
+    monitored value (:func:`plateau_stepper`).
+    """
+    inner = optax.with_extra_args_support(tx)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        held = jax.tree.map(
+            lambda n: n._replace(count=jnp.full_like(n.count, -1)) if is_plateau_state(n) else n,
+            state,
+            is_leaf=is_plateau_state,
+        )
+        extra.setdefault("value", jnp.zeros([], jnp.float32))
+        out, new = inner.update(updates, held, params, **extra)
+        new = jax.tree.map(lambda n, o: o if is_plateau_state(o) else n, new, state, is_leaf=is_plateau_state)
+        return out, new
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def shardings_of(state: Any) -> Any:
+    """The shardings of ``state``'s arrays (None for shapes): what :func:`to_device_memory` needs."""
+    return jax.tree.map(lambda x: getattr(x, "sharding", None), state)
+
+
+def to_device_memory(state: Any, shardings: Any) -> Any:
+    """Inside a jitted function: the leaves of ``state`` that live in host memory (``HostOffload``) copied
+    into device memory, so optax's update can combine them with device arrays. Under ``jax.jit`` only the
+    copies of leaves the function really reads survive."""
+    if shardings is None:
+        return state
+
+    def move(x: Any, s: Any) -> Any:
+        if getattr(s, "memory_kind", None) in (None, "device"):
+            return x
+        return jax.device_put(x, s.with_memory_kind("device"))
+
+    return jax.tree.map(move, state, shardings)
+
+
+def zeros_like_updates(like: Any) -> Any:
+    """Zero updates shaped as ``like`` (``jax.ShapeDtypeStruct`` leaves; ``optax.MaskedNode`` kept)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+
+
+def plateau_stepper(
+    tx: optax.GradientTransformation, like: Any, positions: Sequence[int], shardings: Any = None
+) -> Callable[[Any, Any], list[ReduceLROnPlateauState]]:
+    """``(state, value) -> the plateau states at positions, stepped with the monitored value``.
+
+    It runs ``tx``'s own update (zero updates shaped as ``like``, with
+    ``value=``) and keeps only the plateau states it asked for, so each
+    plateau steps as optax steps it, wherever it sits in ``tx`` and whatever
+    its arguments; under ``jax.jit`` everything else is dead code, and the
+    compiled function reads only the plateau states' scalars. ``shardings``
+    (:func:`shardings_of` the state) lets it read a state kept in host memory.
+    """
+    inner = optax.with_extra_args_support(tx)
+    positions = list(positions)
+
+    def step(state: Any, value: Any) -> list[ReduceLROnPlateauState]:
+        state = to_device_memory(state, shardings)
+        zeros = zeros_like_updates(like)
+        _, new = inner.update(zeros, state, zeros, value=jnp.asarray(value, jnp.float32))
+        nodes = plateau_states(new)
+        return [nodes[p] for p in positions]
+
+    return step
+
+
+__all__ = [
+    "SchedulerConfig",
+    "driven_states",
+    "drive_learning_rate",
+    "hold_plateaus",
+    "is_injected_state",
+    "is_plateau",
+    "is_plateau_state",
+    "plateau_states",
+    "plateau_stepper",
+    "scheduler_config",
+    "shardings_of",
+    "to_device_memory",
+    "with_learning_rate",
+    "zeros_like_updates",
+]
