@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from jaxlight import compat, serialization
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.module import LightningModule

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxlight.data import BatchError, BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
 from jaxlight.errors import MisconfigurationError
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -32,18 +32,18 @@ from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
-from jaxlight.imports import sync_rank
 from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, batch_limit, loader_for, train_batches
 from jaxlight.module import LightningModule
 from jaxlight.optim import configure as configure_optimizer
+from jaxlight.planner import AutoStrategy
 from jaxlight.position import LoopPosition
 from jaxlight.precision import resolve_precision
+from jaxlight.rank_zero import sync_rank
 from jaxlight.reporting import MetricReporter
 from jaxlight.stages import STAGES, TRAIN
 from jaxlight.step import TrainState
-from jaxlight.strategies.auto import AutoStrategy
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import summarize
 

@@ -39,7 +39,7 @@ import jax
 
 from jaxlight import compat
 from jaxlight.callbacks.callback import Callback
-from jaxlight.imports import WarnOnce, rank_zero_info, rank_zero_warn
+from jaxlight.rank_zero import WarnOnce, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer

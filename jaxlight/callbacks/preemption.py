@@ -12,7 +12,7 @@ import jax
 
 from jaxlight import compat
 from jaxlight.callbacks.callback import Callback
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
