@@ -1,7 +1,7 @@
 """What ``strategy="auto"`` chooses for a model at several device-memory sizes (8 simulated CPU devices).
 
 Every candidate layout's train step is compiled once, ahead of time on abstract shapes (a budget below
-every need makes :func:`jaxlight.strategies.choose_strategy` compile all of them and report their
+every need makes :func:`jaxlight.planner.choose_strategy` compile all of them and report their
 needs); the table then applies auto's rule (least bytes moved among the layouts that fit) at each
 memory size, and one real ``choose_strategy`` call per size checks the rule gives the same answer.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from jaxlight.strategies.auto import HEADROOM, NoStrategyFits, choose_strategy
+from jaxlight.planner import HEADROOM, NoStrategyFits, choose_strategy
 from jaxlight.summary import fmt_bytes
 from tests.strategy_models import LM
 

@@ -44,8 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
 from examples.models import CausalTransformer, GPTConfig
-from jaxlight.nn.attention import block_size
 from jaxlight.strategies import resolve_strategy
+from jaxlight.strategies.attention_kernel import block_size
 from jaxlight.strategies.sequence import SequenceParallel
 from jaxlight.summary import fmt_bytes
 

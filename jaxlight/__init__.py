@@ -5,7 +5,7 @@ Subclass :class:`LightningModule`, pick a strategy, call
 and places it on a device mesh.
 """
 
-from jaxlight import callbacks, distributed, loggers, nn, optim, strategies
+from jaxlight import callbacks, distributed, loggers, nn, optim, planner, strategies
 from jaxlight.callbacks import Callback
 from jaxlight.checkpoint import CheckpointError, Preempted
 from jaxlight.data import batch_mask
@@ -35,6 +35,7 @@ __all__ = [
     "loggers",
     "nn",
     "optim",
+    "planner",
     "seed_everything",
     "strategies",
     "verify",

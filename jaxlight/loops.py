@@ -25,7 +25,7 @@ from jaxlight.config import TrainerConfig
 from jaxlight.data import BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
 from jaxlight.errors import BatchError, MisconfigurationError
 from jaxlight.hooks import overrides, takes_argument
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 
 if TYPE_CHECKING:  # pragma: no cover

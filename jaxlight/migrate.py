@@ -52,7 +52,7 @@ import ml_dtypes  # also registers bfloat16 & co. with numpy, so safetensors can
 import numpy as np
 from flax import nnx
 
-from jaxlight.imports import require
+from jaxlight.integrations import require
 
 Mapping_ = Mapping[str, str | None] | Callable[[str], str | None]
 
@@ -633,7 +633,7 @@ class _SafetensorsSource(_Source):
 def _torch_file(path: str) -> _MappingSource:
     import pickle
 
-    from jaxlight.imports import require
+    from jaxlight.integrations import require
 
     require("torch", f"reading the torch file {path}")
     import torch

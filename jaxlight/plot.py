@@ -59,7 +59,7 @@ def plot_metrics(
     CSV is read row by row; nothing is kept in memory between calls.
     Non-finite values are left as gaps and counted in the title.
     """
-    from jaxlight.imports import require
+    from jaxlight.integrations import require
 
     require("matplotlib", "plotting metrics")
     import matplotlib

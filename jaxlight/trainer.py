@@ -36,16 +36,16 @@ from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
 from jaxlight.hooks import HookCaller, check_callbacks, overrides, with_default_callbacks, with_scheduler_stepper
-from jaxlight.imports import sync_rank
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, LoopParts, batch_limit, loader_for, stage_run, train_batches
 from jaxlight.module import LightningModule
 from jaxlight.optim import configure
+from jaxlight.planner import AutoStrategy
 from jaxlight.position import LoopPosition
+from jaxlight.rank_zero import sync_rank
 from jaxlight.reporting import MetricReporter, print_results
 from jaxlight.stages import STAGES, TRAIN, VALIDATE
 from jaxlight.step import TrainState
-from jaxlight.strategies.auto import AutoStrategy
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import summarize
 
@@ -108,7 +108,7 @@ class Trainer(ConfigAttributes):
             del arguments[name]
         self.config: TrainerConfig = TrainerConfig.from_arguments(**arguments)
         parsed = resolve_strategy(strategy)
-        # strategy="auto": the layout is chosen by memory at the start of fit (jaxlight/strategies/auto.py)
+        # strategy="auto": the layout is chosen by memory at the start of fit (jaxlight/planner.py)
         self.auto_strategy = AutoStrategy.for_trainer(strategy, device_memory)
         self._devices = list(self.config.devices)
         self.engine = Engine(parsed, parsed.build_mesh(self._devices), self.config.precision)
@@ -362,7 +362,7 @@ class Trainer(ConfigAttributes):
                 if ckpt_path is not None and (ckpt_path != "last" or checkpoint.find_last_checkpoint(self) is not None):
                     checkpoint.restore_logger_states(self, ckpt_path)  # a resumed run keeps logging into its own runs
                 LoggerCollection(self.loggers).setup()  # a misconfigured tracker fails before any compile
-            if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (strategies/auto.py)
+            if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (planner.py)
                 chosen = self.auto_strategy.choose(self, self._devices, train_loader)
                 if chosen != self.strategy:
                     self.engine = Engine(chosen, chosen.build_mesh(self._devices), self.config.precision)

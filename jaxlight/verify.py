@@ -40,13 +40,18 @@ import numpy as np
 import optax
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.data import host_batch
+from jaxlight.data import host_batch, leaf_path
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.errors import MisconfigurationError
+from jaxlight.hlo import Collectives, hlo_collectives
 from jaxlight.module import LightningModule
-from jaxlight.strategies.auto import Collectives, hlo_collectives
+from jaxlight.optim import configure
+from jaxlight.precision import resolve_precision
+from jaxlight.rank_zero import rank_zero_info
+from jaxlight.strategies.placement import mirror_shardings
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import fmt_bytes, per_device_bytes
+from jaxlight.trainer import Trainer
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -333,8 +338,6 @@ def _run(
     trainer_kwargs: Mapping[str, Any],
     quiet: bool,
 ) -> _Run:
-    from jaxlight.trainer import Trainer
-
     module = make_module()
     if not isinstance(module, LightningModule):
         raise TypeError(f"make_module must return a jaxlight.LightningModule, got {type(module).__name__}")
@@ -370,7 +373,7 @@ def _run(
     mesh = ",".join(f"{a}={s}" for a, s in trainer.mesh.shape.items() if s > 1) or "1 device"
     result = StrategyResult(name, "ok", mesh=mesh)
     result.param_bytes = per_device_bytes(state.params)
-    result.opt_bytes = _optimizer_bytes(module, own_optimizer, trainer.strategy, state.params)
+    result.opt_bytes = _optimizer_bytes(module, own_optimizer, trainer.strategy, trainer.mesh, state.params)
     compiled = trainer.compiled.get("train")
     result.collectives = hlo_collectives(compiled.as_text()) if compiled is not None else None
     result.compile_s = secs[0]
@@ -383,13 +386,15 @@ def _is_first_grad(x: Any) -> bool:
 
 
 def _optimizer_bytes(
-    module: LightningModule, own: Callable[..., Any], strategy: Strategy, params: Mapping[str, jax.Array]
+    module: LightningModule,
+    own: Callable[..., Any],
+    strategy: Strategy,
+    mesh: jax.sharding.Mesh,
+    params: Mapping[str, jax.Array],
 ) -> tuple[int, int] | None:
-    """(device, host) bytes per device of the module's *own* optimizer state under ``strategy``'s layout:
-    leaves keyed by a parameter path with its shape take its sharding (and the strategy's memory kind),
-    others are replicated, as the trainer places them."""
-    from jaxlight.optim import configure
-
+    """(device, host) bytes per device of the module's *own* optimizer state under ``strategy``'s layout,
+    placed by the engine's rule (:func:`jaxlight.strategies.placement.mirror_shardings`): leaves keyed by a
+    parameter path with its shape take its sharding, others are replicated, in the strategy's memory kind."""
     try:
         config = configure(own(module))
         if getattr(config, "tx", None) is None and callable(getattr(config, "build", None)):
@@ -398,17 +403,13 @@ def _optimizer_bytes(
         shapes = jax.eval_shape(tx.init, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()})
     except Exception:  # an optimizer that needs more than the trainer gives at setup: leave the column empty
         return None
+    shardings = mirror_shardings(
+        shapes, params, {k: v.sharding for k, v in params.items()}, mesh, strategy, "opt_state"
+    )
     dev = host = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        mirrors = None
-        for k in reversed(path):
-            key = getattr(k, "key", None)
-            if isinstance(key, str) and key in params and tuple(leaf.shape) == tuple(params[key].shape):
-                mirrors = key
-                break
-        shape = params[mirrors].sharding.shard_shape(tuple(leaf.shape)) if mirrors else tuple(leaf.shape)
-        n = math.prod(shape) * np.dtype(leaf.dtype).itemsize
-        if strategy.memory_kind("opt_state", mirrors) in ("pinned_host", "unpinned_host"):
+    for leaf, sharding in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)):
+        n = math.prod(sharding.shard_shape(tuple(leaf.shape))) * np.dtype(leaf.dtype).itemsize
+        if sharding.memory_kind in ("pinned_host", "unpinned_host"):
             host += n
         else:
             dev += n
@@ -445,8 +446,6 @@ def _reduction_size(batches: Sequence[Any], params: Mapping[str, np.ndarray]) ->
 
 
 def _path(path: tuple) -> str:
-    from jaxlight.data import leaf_path
-
     return repr(leaf_path(path))
 
 
@@ -629,9 +628,6 @@ def verify(
     Returns the :class:`VerifyReport`; ``report.ok`` is False when a strategy differs from one device
     beyond tolerance (its ``leaves`` name the leaves that differ most) or could not run.
     """
-    from jaxlight.imports import rank_zero_info
-    from jaxlight.precision import resolve_precision
-
     if jax.process_count() > 1:
         raise MisconfigurationError(
             "verify runs in one process (it compares against one device); run it without a launcher"

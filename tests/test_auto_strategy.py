@@ -17,8 +17,8 @@ import pytest
 
 import jaxlight as jl
 from jaxlight.errors import MisconfigurationError
-from jaxlight.strategies import FSDP, DataParallel, HostOffload, NoStrategyFits, resolve_strategy
-from jaxlight.strategies.auto import CANDIDATES, HEADROOM, parse_memory, peek_first_batch
+from jaxlight.planner import CANDIDATES, HEADROOM, NoStrategyFits, choose_strategy, parse_memory, peek_first_batch
+from jaxlight.strategies import FSDP, DataParallel, HostOffload, resolve_strategy
 from tests.verify_models import CenteredLM, batches
 
 DATA = batches(2)
@@ -123,7 +123,7 @@ def too_small():
     params, _ = _state_bytes()
     memory = params // 8
     with pytest.raises(NoStrategyFits) as e:
-        jl.strategies.choose_strategy(
+        choose_strategy(
             CenteredLM(),
             jl.optim.configure(CenteredLM().configure_optimizers()),
             DATA[0],

@@ -453,7 +453,8 @@ def test_console_script_commands(capsys, monkeypatch):
         p.add_argument("--name", default="world")
         p.set_defaults(func=lambda a: print(f"hello {a.name}") or 7)
 
-    monkeypatch.setattr("jaxlight.cli.COMMANDS", [*COMMANDS, hello])
+    # the console script reads the list of jaxlight/cli/main.py (`jaxlight.cli.main` is the function)
+    monkeypatch.setattr(sys.modules["jaxlight.cli.main"], "COMMANDS", [*COMMANDS, hello])
     assert cli_main(["hello", "--name", "jax"]) == 7 and capsys.readouterr().out == "hello jax\n"
 
 

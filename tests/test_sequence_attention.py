@@ -25,7 +25,7 @@ from jaxlight.nn import attention
 from jaxlight.strategies import FSDP, STRATEGY_REGISTRY, CompositionError, TensorParallel, resolve_strategy
 from jaxlight.strategies.sequence import SequenceParallel, attention_plan, traced_attention_calls
 
-attn_mod = importlib.import_module("jaxlight.nn.attention")
+attn_mod = importlib.import_module("jaxlight.strategies.attention_kernel")
 
 FWD_TOL, GRAD_TOL = 1e-6, 1e-5
 B, T, D = 4, 64, 8

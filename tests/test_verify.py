@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from jaxlight.errors import MisconfigurationError
-from jaxlight.strategies.auto import hlo_collectives
+from jaxlight.hlo import hlo_collectives
 from jaxlight.verify import BUILTIN_STRATEGIES, verify
 from tests.verify_models import CenteredLM, ForgetfulLM, batches
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.imports import rank_zero_info, rank_zero_warn
+from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
 
 
 class EarlyStopping(Callback):

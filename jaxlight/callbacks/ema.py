@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.imports import rank_zero_warn
+from jaxlight.rank_zero import rank_zero_warn
 from jaxlight.step import StepExtension
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
-from jaxlight.imports import rank_zero_warn
+from jaxlight.rank_zero import rank_zero_warn
 
 
 class _Entry(NamedTuple):

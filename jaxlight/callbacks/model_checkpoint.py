@@ -25,7 +25,7 @@ from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
 from jaxlight.checkpoint import publish
 from jaxlight.checkpoint.run_state import save_checkpoint
-from jaxlight.imports import WarnOnce, rank_zero_info, rank_zero_warn
+from jaxlight.rank_zero import WarnOnce, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer

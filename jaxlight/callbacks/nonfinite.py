@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.imports import rank_zero_warn
+from jaxlight.rank_zero import rank_zero_warn
 
 
 class NonFiniteError(FloatingPointError):

@@ -13,7 +13,7 @@ import jax
 from jaxlight import compat, distributed
 from jaxlight.callbacks.callback import Callback
 from jaxlight.checkpoint.errors import Preempted
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer

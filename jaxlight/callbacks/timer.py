@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 
 
 def parse_duration(duration: Any) -> timedelta:

@@ -32,7 +32,7 @@ from typing import Any
 
 from jaxlight.checkpoint.discovery import find_last
 from jaxlight.checkpoint.format import COMMIT_FILES, TMP_MARK, is_whole, meta_time, new_checkpointer, resolves_complete
-from jaxlight.imports import WarnOnce, rank_zero_info
+from jaxlight.rank_zero import WarnOnce, rank_zero_info
 
 # The kinds of intermediate name: "{final}{TMP_MARK}-{kind}{token}"
 _KINDS = ("staged", "copy", "evicted", "link", "old", "next", "placeholder")

@@ -34,7 +34,7 @@ from jaxlight.checkpoint.format import (
     write,
 )
 from jaxlight.checkpoint.host_state import encode_host, host_checkpoint, hparams_text, save_error
-from jaxlight.imports import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer

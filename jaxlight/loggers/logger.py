@@ -9,7 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxlight.imports import WarnOnce, process_rank, rank_zero_info, rank_zero_warn, require
+from jaxlight.integrations import require
+from jaxlight.rank_zero import WarnOnce, process_rank, rank_zero_info, rank_zero_warn
 
 
 class Logger:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.imports import require
+from jaxlight.integrations import require
 from jaxlight.loggers.logger import Logger, artifact_step, flatten_hparams, image_batch, safe_key, text_table
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a parameter value's length

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.imports import require
+from jaxlight.integrations import require
 from jaxlight.loggers.logger import VersionedDirLogger, flatten_hparams, image_batch, png_bytes, safe_key, text_table
 
 

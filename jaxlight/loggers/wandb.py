@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight.imports import require
+from jaxlight.integrations import require
 from jaxlight.loggers.logger import Logger, flatten_hparams, image_batch, safe_key, text_table
 
 

@@ -107,7 +107,7 @@ class EquinoxModule(nnx.Module):
         trainable: Any = None,
         logical_axes: Mapping[str, Sequence[str | None]] | None = None,
     ) -> None:
-        from jaxlight.imports import require
+        from jaxlight.integrations import require
 
         require("equinox", "jaxlight.nn.from_equinox")
         import equinox as eqx

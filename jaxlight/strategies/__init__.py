@@ -1,7 +1,10 @@
 """Placement strategies: small immutable pieces (mesh axes, rules, batch splits, memory kinds, in-step
-wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`."""
+wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`.
 
-from jaxlight.strategies.auto import AutoStrategy, NoStrategyFits, choose_strategy
+``strategy="auto"`` is not here: choosing a layout compiles candidates through the engine, which sits
+above this package, so the planner is :mod:`jaxlight.planner` (``AutoStrategy``, ``choose_strategy``,
+``NoStrategyFits``)."""
+
 from jaxlight.strategies.offload import HostOffload
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.strategies.placement import LayoutError
@@ -30,9 +33,6 @@ from jaxlight.strategies.strategy import (
 )
 
 __all__ = [
-    "AutoStrategy",
-    "NoStrategyFits",
-    "choose_strategy",
     "BATCH_AXES",
     "DEFAULT_RULES",
     "FILL",

@@ -5,6 +5,10 @@ ones nobody annotated take a shape heuristic (the largest dimension the fsdp
 axis divides). Small parameters stay replicated on purpose, and a layout that
 leaves too much of the rest replicated is refused (MaxText's sharding
 tolerance guardrail), listing the paths so the user can annotate them.
+
+Optimizer and callback state follow the parameters they mirror
+(:func:`mirror_shardings`): the engine places the train state with it and
+``jaxlight verify`` sizes the optimizer state with it, so the two agree.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -181,3 +186,47 @@ def rest_specs(
         shape = tuple(getattr(arr, "shape", ()))
         out[path] = resolve_spec(names, shape, rules, dict(mesh.shape)) if names and shape else ()
     return out
+
+
+# ---------------------------------------------------------------------------- state mirroring parameters
+def mirrored_param(path: tuple, shape: tuple[int, ...], params: Mapping[str, Any]) -> str | None:
+    """The parameter a leaf of optimizer or callback state mirrors, or None.
+
+    ``path`` is the leaf's key path (``jax.tree_util`` keys) and ``params`` maps
+    parameter paths to arrays or shape structs. The leaf mirrors the innermost
+    dict key on its path that names a parameter of the leaf's own shape: Adam's
+    ``mu["net/l1/kernel"]`` mirrors ``"net/l1/kernel"``; a scalar count, or a
+    leaf keyed by a parameter but of another shape (a factored second moment),
+    mirrors nothing.
+    """
+    for k in reversed(path):
+        key = getattr(k, "key", None)
+        if isinstance(key, str) and key in params and tuple(shape) == tuple(params[key].shape):
+            return key
+    return None
+
+
+def mirror_shardings(
+    tree: Any,
+    params: Mapping[str, Any],
+    param_shardings: Mapping[str, NamedSharding],
+    mesh: Mesh,
+    strategy: Strategy,
+    group: str,
+) -> Any:
+    """A sharding for every leaf of ``tree`` (the ``group`` of state: ``"opt_state"``, ``"callback_state"``).
+
+    A leaf that mirrors a parameter (:func:`mirrored_param`) takes that
+    parameter's sharding from ``param_shardings``; any other leaf is replicated
+    over ``mesh``. Either way in the memory kind
+    ``strategy.memory_kind(group, mirrored path or None)`` names, when it names one.
+    """
+    replicated = NamedSharding(mesh, P())
+
+    def pick(path: tuple, leaf: Any) -> NamedSharding:
+        mirrors = mirrored_param(path, tuple(leaf.shape), params)
+        sharding = param_shardings[mirrors] if mirrors is not None else replicated
+        kind = strategy.memory_kind(group, mirrors)
+        return sharding.with_memory_kind(kind) if kind is not None else sharding
+
+    return jax.tree_util.tree_map_with_path(pick, tree)

@@ -37,8 +37,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxlight.imports import rank_zero_info
-from jaxlight.nn.attention import attention_context, blockwise_attention, local_attention, make_plan
+from jaxlight.rank_zero import rank_zero_info
+from jaxlight.strategies.attention_kernel import attention_context, blockwise_attention, local_attention, make_plan
 from jaxlight.strategies.strategy import FILL, FrozenDict, Piece, check_axis_size, register_strategy
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,5 @@
-"""Command lines: the ``jaxlight`` console script and :class:`LightningCLI` for training scripts.
+"""``LightningCLI``: Lightning's config-driven entry point for training scripts, on jsonargparse.
 
-``jaxlight <command>`` (:func:`main`) runs the tools in :data:`COMMANDS`:
-``jaxlight plot`` (PNG plots of a CSVLogger's metrics), ``jaxlight launch``
-(one script as N local processes of one multi-process run, see
-:mod:`jaxlight.launch`) and ``jaxlight verify`` (each strategy against one
-device, see :mod:`jaxlight.verify`).
-
-:class:`LightningCLI` is Lightning's config-driven entry point on jsonargparse:
 ``python train.py fit --config cfg.yaml --trainer.max_steps 100 --model.lr 1e-3``.
 Arguments come from the type hints of the Trainer, the LightningModule and
 the LightningDataModule ``__init__``; callbacks, loggers and strategy pieces
@@ -22,12 +15,11 @@ import difflib
 import inspect
 import os
 import re
-import sys
-import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
+from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.module import LightningModule
@@ -37,137 +29,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from jsonargparse import ArgumentParser, Namespace
 
 
-# ============================================================================ the console script
-def _plot(args: argparse.Namespace) -> int:
-    from jaxlight.plot import plot_metrics
-
-    try:
-        paths = plot_metrics(args.path, out_dir=args.out, metrics=args.metrics)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"jaxlight plot: {e}", file=sys.stderr)
-        return 2
-    for p in paths:
-        print(p)
-    return 0
-
-
-def _plot_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plot", help="write PNG plots of the metrics a CSVLogger logged")
-    p.add_argument("path", help="a metrics.csv file, or a log directory searched for metrics.csv files")
-    p.add_argument("--out", default=None, help="output directory (default: <csv dir>/plots)")
-    p.add_argument("--metrics", nargs="+", default=None, help="only these columns (default: all)")
-    p.set_defaults(func=_plot)
-
-
-def _launch_command(sub: argparse._SubParsersAction) -> None:
-    from jaxlight import launch
-
-    p = sub.add_parser(
-        "launch",
-        help="run a script as N local processes of one multi-process JAX run",
-        description=textwrap.fill(launch.DESCRIPTION, 88),
-        epilog=launch.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    launch.add_arguments(p)
-    p.set_defaults(func=launch.run_from_args)
-
-
-def _verify(args: argparse.Namespace) -> int:
-    if args.devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        # CPU has one device unless told before JAX starts its backends (nothing has started them yet);
-        # the flag only shapes the host platform, so it is harmless where an accelerator is used
-        flag = f"--xla_force_host_platform_device_count={args.devices}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    import functools
-    import json
-
-    from jaxlight.errors import MisconfigurationError
-    from jaxlight.verify import load_object, verify
-
-    try:
-        module_class = load_object(args.module)
-        datamodule = load_object(args.datamodule)() if args.datamodule else None
-        model_args = json.loads(args.model_args) if args.model_args else {}
-        if not isinstance(model_args, dict):
-            raise ValueError(f"--model-args must be a JSON object, got {args.model_args!r}")
-    except (ValueError, ImportError, OSError) as e:
-        print(f"jaxlight verify: {e}", file=sys.stderr)
-        return 2
-    make = functools.partial(module_class, **model_args)
-    functools.update_wrapper(make, module_class, assigned=("__name__", "__qualname__"), updated=())
-    try:
-        report = verify(
-            make,
-            datamodule=datamodule,
-            strategies=args.strategies,
-            devices=args.devices,
-            steps=args.steps,
-            lr=args.lr,
-            momentum=args.momentum,
-            trainer_kwargs={"precision": args.precision},
-        )
-    except (MisconfigurationError, ValueError, TypeError) as e:
-        print(f"jaxlight verify: {e}", file=sys.stderr)
-        return 2
-    return 0 if report.ok else 1
-
-
-def _verify_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check that each strategy trains a module as one device does",
-        description="Train a LightningModule for a few steps on one device and under each strategy, on the same "
-        "batches, and print one table: the largest differences of losses, step-1 gradients and parameters "
-        "(with the tolerances and why), bytes per device, the collectives in the compiled step and the compile "
-        "time. Exits 1 when a strategy differs beyond tolerance, naming the leaves that differ most; 2 on bad "
-        "input. See docs/verify.md.",
-    )
-    p.add_argument(
-        "module",
-        help="path/to/file.py:ModuleClass (or package.module:ModuleClass); built with no arguments unless --model-args",
-    )
-    p.add_argument(
-        "--datamodule", default=None, help="path/to/file.py:DataModuleClass; default: the module's train_dataloader()"
-    )
-    p.add_argument(
-        "--strategies",
-        default=None,
-        help="comma-separated strategy names, e.g. ddp,fsdp,fsdp+tp (default: every built-in one)",
-    )
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=None,
-        help="devices per strategy (default: all local devices; on CPU this many simulated devices are created)",
-    )
-    p.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
-    p.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate of the comparison (default 0.01)")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum of the comparison (default 0.9)")
-    p.add_argument("--precision", default="32-true", help="Trainer precision of every run (default 32-true)")
-    p.add_argument(
-        "--model-args", default=None, help="JSON object of keyword arguments for the module, e.g. '{\"hidden\": 64}'"
-    )
-    p.set_defaults(func=_verify)
-
-
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_plot_command, _launch_command, _verify_command]
-"""The ``jaxlight`` subcommands. Each entry adds one parser to the subparsers it is given and sets
-``func``: a function of the parsed arguments that returns the exit status. Add a command by
-appending one such function."""
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jaxlight`` console script; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="jaxlight", description="jaxlight tools")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in COMMANDS:
-        add(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-# ============================================================================ LightningCLI
 def _strategy_type() -> Any:
     """What ``--trainer.strategy`` accepts: a registered name ("fsdp+tp"), one piece or strategy by
     class path, or a list of pieces that are composed with ``+`` (each with its own init args)."""
@@ -184,7 +45,7 @@ def _parser_class() -> type:
     global _PARSER_CLASS
     if _PARSER_CLASS is not None:
         return _PARSER_CLASS
-    from jaxlight.imports import require
+    from jaxlight.integrations import require
 
     require("jsonargparse", "LightningCLI")  # missing or too old: one message with the pip command
     import jsonargparse
@@ -276,7 +137,7 @@ def _parser_class() -> type:
     return LightningArgumentParser
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: `from jaxlight.cli import LightningArgumentParser`
+def __getattr__(name: str) -> Any:  # PEP 562: `from jaxlight.cli.lightning_cli import LightningArgumentParser`
     if name == "LightningArgumentParser":
         return _parser_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -330,18 +191,6 @@ def _short_description(fn: Any) -> str | None:
     return doc.strip().split("\n")[0].rstrip(".") if doc else None
 
 
-def _broadcast_from_zero(value: int) -> int:
-    """``value`` of process 0 on every process (a small device collective; the identity for one process)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return value
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
-
-
 class SaveConfigCallback(Callback):
     """Writes the parsed config of a LightningCLI run to ``<trainer.log_dir>/config.yaml`` at setup.
 
@@ -380,7 +229,7 @@ class SaveConfigCallback(Callback):
             log_dir = trainer.log_dir
             path = os.path.join(log_dir, self.config_filename)
             if not self.overwrite:
-                exists = _broadcast_from_zero(int(trainer.is_global_zero and os.path.isfile(path)))
+                exists = distributed.broadcast_int(int(trainer.is_global_zero and os.path.isfile(path)))
                 if exists:
                     raise RuntimeError(
                         f"{type(self).__name__} expected {path} to not exist: it holds the config of an earlier run. "
@@ -484,8 +333,6 @@ class LightningCLI:
         self.setup_parser(run, main_kwargs, sub_kwargs)
         self.parse_arguments(self.parser, args)
         self.subcommand: str | None = self.config["subcommand"] if run else None
-
-        from jaxlight import distributed
 
         distributed.initialize()  # a no-op unless a launcher, srun or a Job set the environment
         self._set_seed()
@@ -615,7 +462,9 @@ class LightningCLI:
         if seed is True:
             env = os.environ.get("PL_GLOBAL_SEED")
             # every process must draw the same seed: process 0's is broadcast
-            seed = int(env) if env is not None else _broadcast_from_zero(int.from_bytes(os.urandom(4), "little") >> 1)
+            seed = (
+                int(env) if env is not None else distributed.broadcast_int(int.from_bytes(os.urandom(4), "little") >> 1)
+            )
         seed = seed_everything(int(seed), workers=True)
         if self.subcommand:
             self.config[self.subcommand]["seed_everything"] = seed
@@ -703,8 +552,4 @@ def _plain(value: Any) -> Any:
     return value.as_dict() if isinstance(value, Namespace) else value
 
 
-__all__ = ["COMMANDS", "LightningArgumentParser", "LightningCLI", "SaveConfigCallback", "main"]  # noqa: F822 (module __getattr__)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+__all__ = ["LightningArgumentParser", "LightningCLI", "SaveConfigCallback"]  # noqa: F822 (module __getattr__)

@@ -16,13 +16,17 @@ and it fits when that is at most ``(1 - headroom)`` of the device memory
 Among those that fit, the one that moves the fewest bytes per step wins: the
 result bytes of every collective in its compiled HLO plus twice its host-
 offloaded bytes (copied in and out every step); ties go to the smaller need.
-The choice is printed as one line on process 0, and when nothing fits
-:class:`NoStrategyFits` says what each candidate needs.
+The choice is printed as one line on process 0 (in a multi-process run
+process 0's choice is broadcast, so every process builds the same mesh), and
+when nothing fits :class:`NoStrategyFits` says what each candidate needs.
+
+The planner sits above the engine, the batch placer and the optimizer parser
+it drives; :mod:`jaxlight.strategies` never imports it (the Trainer resolves
+``"auto"`` through :class:`AutoStrategy`).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import re
@@ -34,8 +38,17 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jaxlight import distributed
+from jaxlight.data import BatchPlacer, host_batch, leaf_path
+from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
+from jaxlight.hlo import Collectives, hlo_collectives
+from jaxlight.optim import configure
+from jaxlight.precision import resolve_precision
+from jaxlight.rank_zero import rank_zero_info
+from jaxlight.strategies.offload import HostOffload
 from jaxlight.strategies.strategy import Strategy, resolve_strategy
+from jaxlight.summary import fmt_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.module import LightningModule
@@ -47,11 +60,9 @@ __all__ = [
     "AutoChoice",
     "AutoStrategy",
     "Candidate",
-    "Collectives",
     "NoStrategyFits",
     "choose_strategy",
     "device_memory_limit",
-    "hlo_collectives",
     "parse_memory",
 ]
 
@@ -123,114 +134,6 @@ def device_memory_limit(devices: Iterable[Any]) -> int | None:
     return min(limits) if limits else None
 
 
-def _fmt(n: float) -> str:
-    from jaxlight.summary import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-# ---------------------------------------------------------------------------- collectives in HLO
-COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-_LINE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
-)
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-
-
-def _shape_bytes(dtype: str, dims: str) -> int:
-    size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
-    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    return int(n * size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Collectives:
-    """The collectives of a compiled program: how many of each op, and their bytes.
-
-    Bytes are each collective's full buffer: the result of an all-reduce,
-    all-gather, all-to-all or collective-permute (the output buffers of an
-    async ``-start``), and the input of a reduce-scatter (its result times the
-    group size). A tuple all-reduce of many gradients counts as one op with
-    all their bytes.
-    """
-
-    counts: Mapping[str, int]
-    bytes: Mapping[str, int]
-
-    @property
-    def total_bytes(self) -> int:
-        return int(sum(self.bytes.values()))
-
-    @property
-    def total_count(self) -> int:
-        return int(sum(self.counts.values()))
-
-    def summary(self, short: bool = False) -> str:
-        """``"all-reduce 1 (1.0 MB), all-gather 6 (3.0 MB)"``, or ``"none"``; ``short`` abbreviates op names."""
-        abbrev = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A"}
-        abbrev["collective-permute"] = "CP"
-        parts = []
-        for op in COLLECTIVE_OPS:
-            if self.counts.get(op):
-                name = abbrev[op] if short else op
-                parts.append(f"{name} {self.counts[op]} ({_fmt(self.bytes.get(op, 0))})")
-        return ", ".join(parts) or "none"
-
-
-def hlo_collectives(hlo_text: str) -> Collectives:
-    """Count and size the collectives in a compiled program's HLO text (``compiled.as_text()``)."""
-    counts: collections.Counter = collections.Counter()
-    sizes: collections.Counter = collections.Counter()
-    for line in hlo_text.splitlines():
-        m = _LINE.match(line)
-        if not m:
-            continue
-        op = m.group("op")
-        shapes = [(d, s) for d, s in _SHAPE.findall(m.group("type")) if d in _DTYPE_BYTES or d.startswith("f8")]
-        if m.group("start") and op != "all-reduce":
-            # async starts return (operands..., outputs..., [u32 contexts]): keep the outputs
-            shapes = [x for x in shapes if x != ("u32", "")]
-            shapes = shapes[len(shapes) // 2 :]
-        n = sum(_shape_bytes(d, s) for d, s in shapes)
-        if op == "reduce-scatter":
-            n *= _group_size(line)
-        counts[op] += 1
-        sizes[op] += n
-    return Collectives(dict(counts), dict(sizes))
-
-
-def _group_size(line: str) -> int:
-    m = _IOTA_GROUPS.search(line)
-    if m:
-        return int(m.group(2))
-    m = _LIST_GROUPS.search(line)
-    if m:
-        return len([x for x in m.group(1).split(",") if x])
-    return 1
-
-
 # ---------------------------------------------------------------------------- candidates
 @dataclasses.dataclass
 class Candidate:
@@ -259,8 +162,8 @@ class Candidate:
         return ",".join(f"{a}={s}" for a, s in self.mesh.items() if s > 1) or "1 device"
 
     def need_text(self) -> str:
-        host = f" + {_fmt(self.host_bytes)} host" if self.host_bytes else ""
-        return f"{_fmt(self.device_bytes)}{host}"
+        host = f" + {fmt_bytes(self.host_bytes)} host" if self.host_bytes else ""
+        return f"{fmt_bytes(self.device_bytes)}{host}"
 
 
 @dataclasses.dataclass
@@ -342,9 +245,6 @@ def evaluate(
     process_local: bool = False,
 ) -> Candidate:
     """Compile ``strategy``'s train step for ``module`` on abstract shapes and measure what it needs."""
-    from jaxlight.data import BatchPlacer
-    from jaxlight.engine import Engine
-
     mesh = strategy.build_mesh(devices)
     cand = Candidate(name, strategy, dict(mesh.shape))
     engine = Engine(strategy, mesh, precision)
@@ -367,7 +267,7 @@ def evaluate(
     with engine.context():
         batch_sds = jax.tree_util.tree_map_with_path(
             lambda p, x: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=placer.leaf_sharding(_leaf(p), tuple(x.shape))
+                x.shape, x.dtype, sharding=placer.leaf_sharding(leaf_path(p), tuple(x.shape))
             ),
             shapes,
         )
@@ -378,16 +278,8 @@ def evaluate(
     return cand
 
 
-def _leaf(path: tuple) -> str:
-    from jaxlight.data import leaf_path
-
-    return leaf_path(path)
-
-
 def _dedupe(names: Sequence[str | Strategy], n_devices: int) -> list[tuple[str, Strategy, str | None]]:
     """Candidates as (name, strategy, reason it cannot run here); layouts equal on this device count once."""
-    from jaxlight.strategies.offload import HostOffload
-
     seen: set = set()
     out: list[tuple[str, Strategy, str | None]] = []
     for n in names:
@@ -434,8 +326,6 @@ def choose_strategy(
     parallel, as before, and the message says why. Raises
     :class:`NoStrategyFits` with every candidate's requirement when none fits.
     """
-    from jaxlight.precision import resolve_precision
-
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be within [0, 1), got {headroom}")
     devices = list(devices)
@@ -450,9 +340,11 @@ def choose_strategy(
         return AutoChoice(resolve_strategy("ddp"), None, [], None, None, msg)
     budget = int(limit * (1.0 - headroom))
     where = (
-        f"{_fmt(limit)} device memory" if device_memory is None else f"device_memory={device_memory!r} = {_fmt(limit)}"
+        f"{fmt_bytes(limit)} device memory"
+        if device_memory is None
+        else f"device_memory={device_memory!r} = {fmt_bytes(limit)}"
     )
-    budget_text = f"{_fmt(budget)} per device ({where} less {headroom:.0%} headroom)"
+    budget_text = f"{fmt_bytes(budget)} per device ({where} less {headroom:.0%} headroom)"
     tried: list[Candidate] = []
     best: Candidate | None = None
     pending_offload = []
@@ -460,7 +352,7 @@ def choose_strategy(
         if reason is not None:
             tried.append(Candidate(name, strategy, {}, error=reason))
             continue
-        if strategy.find(_offload_type()) is not None:
+        if strategy.find(HostOffload) is not None:
             pending_offload.append((name, strategy))  # compiled only if it could win (below)
             continue
         cand = _try(name, strategy, module, tx, batch, devices, precision, trainer, callbacks, prefetch, process_local)
@@ -479,11 +371,9 @@ def choose_strategy(
         if cand.error is None and cand.device_bytes <= budget and (best is None or _key(cand) < _key(best)):
             best = cand
     idx = tried.index(best) if best is not None else -1
-    if jax.process_count() > 1:  # every process must build the same mesh: process 0's choice wins
-        from jax.experimental import multihost_utils
-
-        idx = int(multihost_utils.broadcast_one_to_all(np.int32(idx)))
-        best = tried[idx] if idx >= 0 else None
+    # every process must build the same mesh: process 0's choice wins (the identity in one process)
+    idx = distributed.broadcast_int(idx)
+    best = tried[idx] if idx >= 0 else None
     compiled = [c for c in tried if c.error is None]
     if not compiled and tried and tried[0].exception is not None:
         raise tried[0].exception  # nothing compiled at all: the model's own error, not a memory verdict
@@ -513,13 +403,13 @@ def choose_strategy(
         elif c.device_bytes > budget:
             others.append(f"{c.name} needs {c.need_text()}")
         else:
-            others.append(f"{c.name} fits but moves {_fmt(c.traffic)}")
+            others.append(f"{c.name} fits but moves {fmt_bytes(c.traffic)}")
     skipped = [n for n, _ in pending_offload if not any(c.name == n for c in tried)]
     if skipped:
         others.append(f"{', '.join(skipped)} not compiled (cannot move less)")
-    moved = f"{_fmt(best.collectives.total_bytes)} of collectives" if best.collectives else ""
+    moved = f"{fmt_bytes(best.collectives.total_bytes)} of collectives" if best.collectives else ""
     if best.host_bytes:
-        moved += f" + {_fmt(2 * best.host_bytes)} host copies"
+        moved += f" + {fmt_bytes(2 * best.host_bytes)} host copies"
     msg = (
         f'strategy="auto": {best.name} ({best.mesh_text}), the least communication that fits: needs '
         f"{best.need_text()} of {budget_text}, moves {moved} per step" + (f"; {'; '.join(others)}" if others else "")
@@ -527,18 +417,11 @@ def choose_strategy(
     return AutoChoice(best.strategy, best, tried, limit, budget, msg)
 
 
-def _offload_type() -> type:
-    from jaxlight.strategies.offload import HostOffload
-
-    return HostOffload
-
-
 def _base_of(strategy: Strategy, tried: Sequence[Candidate]) -> Candidate | None:
     """The compiled candidate with ``strategy``'s pieces less HostOffload."""
-    off = _offload_type()
-    base = tuple(p for p in strategy.pieces if not isinstance(p, off))
+    base = tuple(p for p in strategy.pieces if not isinstance(p, HostOffload))
     for c in tried:
-        if tuple(p for p in c.strategy.pieces if not isinstance(p, off)) == base:
+        if tuple(p for p in c.strategy.pieces if not isinstance(p, HostOffload)) == base:
             return c
     return None
 
@@ -615,10 +498,6 @@ class AutoStrategy:
     def choose(self, trainer: Trainer, devices: Sequence[Any], train_loader: Any) -> Strategy:
         """The strategy for ``trainer.lightning_module`` (printed on process 0); the current one when the
         module's state is already placed (a second ``fit`` of the same module)."""
-        from jaxlight.data import host_batch
-        from jaxlight.imports import rank_zero_info
-        from jaxlight.optim import configure
-
         module = trainer.lightning_module
         engine = trainer.engine
         if engine.parts is not None and engine.module is module:

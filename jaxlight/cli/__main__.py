@@ -1,0 +1,7 @@
+"""``python -m jaxlight.cli``: the ``jaxlight`` console script."""
+
+import sys
+
+from jaxlight.cli.main import main
+
+sys.exit(main())

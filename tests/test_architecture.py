@@ -1,0 +1,315 @@
+"""The package's shape, checked from its source (docs/ARCHITECTURE.md).
+
+- No runtime import cycle inside ``jaxlight/``: every ``import`` counts, at module level or inside a
+  function; only the body of ``if TYPE_CHECKING:`` does not. Importing ``a.b.c`` from outside the package
+  ``a.b`` also runs ``a/b/__init__.py``, so it counts as an import of that package too.
+- No private API of jax, jaxlib, optax, orbax or flax outside ``jaxlight/compat.py``: no module path with
+  a ``_``-prefixed part (``jax._src``, ``optax._src``, ``orbax.checkpoint._src``), no ``_``-prefixed
+  attribute of those libraries, and none of the reads that reach inside their objects
+  (``__closure__``, ``cell_contents``, ``._async_manager``, ...).
+- ``jaxlight.strategies`` imports neither ``jaxlight.nn`` nor the step, the engine, the planner or the trainer.
+- No module over 900 lines, ``trainer.py`` at most 500.
+
+Nothing is imported: the modules are parsed with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxlight"
+COMPAT = "jaxlight.compat"
+
+PRIVATE_LIBS = ("jax", "jaxlib", "optax", "orbax", "flax")
+# Reads that reach inside another library's objects (closures, orbax's checkpointer internals): they break
+# silently when the library is refactored, so only compat.py may do them, each with a test.
+PRIVATE_ATTRS = frozenset({"__closure__", "cell_contents", "co_freevars", "_async_manager"})
+
+MAX_LINES = 900
+MAX_TRAINER_LINES = 500
+
+
+# ---------------------------------------------------------------------------- reading the package
+def _modules() -> dict[str, Path]:
+    """``{"jaxlight.strategies.placement": path}`` for every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside the body of an ``if TYPE_CHECKING:`` (its ``else`` runs)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            for stmt in node.body:
+                out.update(id(n) for n in ast.walk(stmt))
+    return out
+
+
+def _runtime_imports(module: str, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import outside ``if TYPE_CHECKING:``; ``from a import b`` gives
+    ``a.b`` when that is a module of the package, else ``a``. Relative imports are resolved."""
+    skip = _type_checking_nodes(tree)
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                full = f"{target}.{a.name}"
+                out.append((node.lineno, full if full in MODULES else target))
+    return out
+
+
+def _owner(name: str) -> str | None:
+    """The package module that ``name`` (a module or an object in one) is."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line}}`` for runtime imports inside the package."""
+    graph: dict[str, dict[str, int]] = {m: {} for m in MODULES}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for line, name in _runtime_imports(module, tree):
+            target = _owner(name)
+            if target is None or target == module:
+                continue
+            targets = [target]
+            # importing a.b.c runs a/b/__init__.py first: an import of the package a.b too, unless the
+            # importer is inside a.b (then a.b is already being imported)
+            parts = target.split(".")
+            for i in range(2, len(parts)):
+                pkg = ".".join(parts[:i])
+                if pkg in MODULES and not (module == pkg or module.startswith(pkg + ".")):
+                    targets.append(pkg)
+            for t in targets:
+                if t != module and t != "jaxlight":  # the root package imports everything, nothing imports it back
+                    graph[module].setdefault(t, line)
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each as one cycle through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_through(graph, comp) for comp in components]
+
+
+def _cycle_through(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """One closed path inside ``component`` starting at its first module (breadth-first back to it)."""
+    members = set(component)
+    start = component[0]
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in graph[v]:
+                if w not in members:
+                    continue
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [*reversed(path), start]
+                if w not in parents:
+                    parents[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return component  # pragma: no cover - a component always holds a cycle
+
+
+def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    steps = [f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+    return " -> ".join([*steps, cycle[-1]])
+
+
+# ---------------------------------------------------------------------------- private APIs
+def _private_part(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] in PRIVATE_LIBS and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+
+def _dotted(node: ast.AST) -> str | None:
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(names)])
+    return None
+
+
+def private_uses(path: Path, root: Path = ROOT) -> list[str]:
+    """``"file:line: what"`` (relative to ``root``) for every private-API use in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    rel = path.relative_to(root)
+    found = []
+    aliases: dict[str, str] = {}  # local name -> the library module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in PRIVATE_LIBS:
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                if _private_part(a.name):
+                    found.append(f"{rel}:{node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] not in PRIVATE_LIBS:
+                continue
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                if _private_part(node.module) or _private_part(f"{node.module}.{a.name}"):
+                    found.append(f"{rel}:{node.lineno}: from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr in PRIVATE_ATTRS:
+                found.append(f"{rel}:{node.lineno}: reads .{node.attr}")
+                continue
+            dotted = _dotted(node)
+            if dotted is not None:
+                head, _, tail = dotted.partition(".")
+                if head in aliases and _private_part(f"{aliases[head]}.{tail}"):
+                    found.append(f"{rel}:{node.lineno}: uses {dotted}")
+        elif isinstance(node, ast.Call) and node.args:
+            fn = _dotted(node.func) or ""
+            arg = node.args[0].value if isinstance(node.args[0], ast.Constant) else None
+            if fn.endswith("import_module") or fn == "__import__":
+                if isinstance(arg, str) and _private_part(arg):
+                    found.append(f"{rel}:{node.lineno}: imports {arg!r}")
+            elif fn in ("getattr", "hasattr", "setattr") and len(node.args) > 1:
+                name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+                if name in PRIVATE_ATTRS:
+                    found.append(f"{rel}:{node.lineno}: {fn}(..., {name!r})")
+    # an attribute read inside a larger chain is visited twice (jax._src.x, jax._src): report each line once
+    return sorted(set(found))
+
+
+# ---------------------------------------------------------------------------- the tests
+def test_no_runtime_import_cycle():
+    graph = import_graph()
+    cycles = find_cycles(graph)
+    assert not cycles, "runtime import cycles inside jaxlight/ (imports inside functions count):\n" + "\n".join(
+        "  " + _describe(graph, c) for c in cycles
+    )
+
+
+def test_strategies_sit_below_nn_and_the_engine():
+    # nn/ reads what a strategy piece installs (attention exchange, pipeline schedule), so nn imports
+    # strategies and never the reverse; the planner ("auto") drives the engine, so it sits above both
+    above = ("jaxlight.nn", "jaxlight.engine", "jaxlight.planner", "jaxlight.trainer", "jaxlight.step")
+    graph = import_graph()
+    wrong = [
+        f"{m} imports {t} (line {line})"
+        for m, targets in graph.items()
+        if m == "jaxlight.strategies" or m.startswith("jaxlight.strategies.")
+        for t, line in targets.items()
+        if any(t == a or t.startswith(a + ".") for a in above)
+    ]
+    assert not wrong, "jaxlight.strategies must not import the layers above it:\n" + "\n".join(wrong)
+
+
+def test_the_cycle_check_sees_what_it_must():
+    # a function-level import and a package __init__ count; a TYPE_CHECKING import does not
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from jaxlight.trainer import Trainer\nelse:\n    import jaxlight.data\n"
+        "def f():\n    from jaxlight.engine import Engine\n"
+    )
+    names = [n for _, n in _runtime_imports("jaxlight.planner", tree)]
+    assert "jaxlight.trainer" not in names and {"jaxlight.data", "jaxlight.engine"} <= set(names)
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    # importing jaxlight.strategies.pipeline from nn/ runs jaxlight/strategies/__init__.py too
+    assert {"jaxlight.strategies.pipeline", "jaxlight.strategies"} <= set(import_graph()["jaxlight.nn.layer_stack"])
+
+
+def test_no_private_api_outside_compat():
+    uses = []
+    for module, path in MODULES.items():
+        if module != COMPAT:
+            uses += private_uses(path)
+    assert not uses, (
+        "private APIs of jax/jaxlib/optax/orbax/flax used outside jaxlight/compat.py (move each into compat.py "
+        "with the version it was checked on and a test in tests/test_compat.py):\n" + "\n".join("  " + u for u in uses)
+    )
+
+
+def test_the_private_api_check_sees_what_it_must(tmp_path):
+    src = tmp_path / "jaxlight" / "m.py"
+    src.parent.mkdir()
+    src.write_text(
+        "import jax\nimport optax\nfrom jax._src import xla_bridge\nfrom orbax.checkpoint import _src\n"
+        "import importlib\n"
+        "x = jax._src.config\ny = fn.__closure__[0].cell_contents\nz = getattr(ckpt, '_async_manager', None)\n"
+        "m = importlib.import_module('optax._src.base')\nok = jax.numpy.zeros(3)\nv = jax.__version__\n"
+    )
+    found = private_uses(src, tmp_path)
+    lines = sorted({int(f.split(":")[1]) for f in found})
+    assert lines == [3, 4, 6, 7, 8, 9], found
+
+
+def test_module_sizes():
+    sizes = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    too_long = {m: n for m, n in sizes.items() if n > MAX_LINES}
+    trainer = sizes["jaxlight.trainer"]
+    assert not too_long and trainer <= MAX_TRAINER_LINES, (
+        f"modules over {MAX_LINES} lines: {too_long}; jaxlight/trainer.py has {trainer} lines (at most "
+        f"{MAX_TRAINER_LINES}). Issue 21 splits checkpoint.py, callbacks/model_checkpoint.py, optim.py and "
+        "trainer.py on other branches: this passes only once they are merged"
+    )
