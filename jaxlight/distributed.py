@@ -239,6 +239,14 @@ def broadcast_str(value: str, key: str, timeout_s: float = 300.0) -> str:
     return client.blocking_key_value_get(key, int(timeout_s * 1000))
 
 
+def barrier(name: str, timeout_s: float = 300.0) -> None:
+    """Wait until every process reaches the barrier ``name`` (unique per use), through the coordination
+    service; raises the service's error after ``timeout_s``. A no-op in a single process."""
+    if jax.process_count() == 1:
+        return
+    _client("barrier").wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def kv_set(key: str, value: str) -> None:
     """Publish ``value`` under ``key`` in the coordination service (multi-process runs only)."""
     _client("kv_set").key_value_set(key, value)
@@ -257,6 +265,7 @@ def kv_try_get(key: str) -> str | None:
 
 __all__ = [
     "ClusterSpec",
+    "barrier",
     "broadcast_bool",
     "broadcast_int",
     "broadcast_str",

@@ -34,7 +34,7 @@ from jaxlight.precision import Precision
 from jaxlight.stages import STAGES
 from jaxlight.state import ModelParts, merge_models, nnx_attributes, path_str, split_models
 from jaxlight.step import StepBuilder, StepExtension, TrainState
-from jaxlight.strategies.placement import named, param_specs, rest_specs
+from jaxlight.strategies.placement import mirror_shardings, named, param_specs, rest_specs
 from jaxlight.strategies.strategy import Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -275,22 +275,9 @@ class Engine:
     def _mirror_shardings(
         self, tree: Any, params: Mapping[str, Any], group: str, psh: Mapping[str, NamedSharding] | None = None
     ) -> Any:
-        """Leaves keyed by a parameter path with its shape take its sharding (and the strategy's memory kind)."""
+        """Leaves mirroring a parameter take its sharding and the strategy's memory kind (placement's one rule)."""
         psh = self.param_shardings if psh is None else psh
-        rep = NamedSharding(self.mesh, P())
-
-        def pick(path: tuple, leaf: Any) -> NamedSharding:
-            mirrors = None
-            for k in reversed(path):
-                key = getattr(k, "key", None)
-                if isinstance(key, str) and key in psh and tuple(leaf.shape) == tuple(params[key].shape):
-                    mirrors = key
-                    break
-            sh = psh[mirrors] if mirrors is not None else rep
-            kind = self.strategy.memory_kind(group, mirrors)
-            return sh.with_memory_kind(kind) if kind is not None else sh
-
-        return jax.tree_util.tree_map_with_path(pick, tree)
+        return mirror_shardings(tree, params, psh, self.mesh, self.strategy, group)
 
     def setup_training(
         self, optimizer: OptimizerConfig, callbacks: Sequence[Callback], trainer: Any, global_step: int

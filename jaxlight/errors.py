@@ -12,3 +12,28 @@ class MisconfigurationError(ValueError):
 
 class BatchError(ValueError):
     """A batch the compiled step cannot take (shapes disagree, rows don't divide)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, corrupt, or not matching the model."""
+
+
+class Preempted(SystemExit):
+    """``fit`` stopped at a preemption signal after writing that step's checkpoint.
+
+    A ``SystemExit`` with code 143 (128 + SIGTERM), so an uncaught one ends the
+    program the way schedulers expect from a preempted job. ``step`` is the
+    global step the run stopped at, ``path`` the checkpoint written there (None
+    when checkpointing is disabled), ``signum`` the signal received. Running
+    the same script again with ``ckpt_path="last"`` resumes at that point.
+    """
+
+    def __init__(self, step: int, path: str | None = None, signum: int | None = None) -> None:
+        super().__init__(143)
+        self.step = step
+        self.path = path
+        self.signum = signum
+
+    def __str__(self) -> str:
+        where = f"; checkpoint {self.path}" if self.path else "; no checkpoint written (checkpointing disabled)"
+        return f"preempted (signal {self.signum}) at global step {self.step}{where}"

@@ -111,7 +111,7 @@ def with_default_callbacks(cbs: list[Callback], config: TrainerConfig) -> list[C
         cbs = [c for c in cbs if not isinstance(c, TQDMProgressBar)]
     if config.max_time is not None:
         cbs = [c for c in cbs if not isinstance(c, Timer)] + [Timer(config.max_time, interval="step")]
-    if config.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in cbs):
+    if config.enable_checkpointing and not any(c.is_checkpoint_callback for c in cbs):
         cbs = [*cbs, ModelCheckpoint()]
     if not config.fast_dev_run and not any(isinstance(c, Preemption) for c in cbs):
         cbs = [*cbs, Preemption()]

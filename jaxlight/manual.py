@@ -114,7 +114,6 @@ class ManualContext:
         self.toggled: ManualOptimizer | None = None
         self.grads: list[Any] = []
         self.last_loss: Any = None
-        self.steps = 0
         self._rest_dtypes = {k: getattr(v, "dtype", None) for k, v in state.model_state.items()}
 
     # -- the module's view ----------------------------------------------------------------------
@@ -197,5 +196,4 @@ class ManualContext:
             new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, self.opt_states[i])
         self.params.update(new_p)
         self.opt_states[i] = new_state
-        self.steps += 1
         self.bind()

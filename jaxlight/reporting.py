@@ -219,14 +219,17 @@ class MetricReporter:
                 out[name] = v
         return out
 
-    def send(self, metrics: Mapping[str, float], step: int | None = None, add_epoch: bool = True) -> None:
+    def send(
+        self, metrics: Mapping[str, float], step: int | None = None, add_epoch: bool = True, record: bool = True
+    ) -> None:
         """Record host values as logged and hand them to every logger (process 0) at ``step`` (default:
         ``global_step - 1``, the train step that produced them). Loggers also get Lightning's ``epoch``
         entry (``add_epoch``); ``logged_metrics`` does not."""
         if not metrics:
             return
         trainer = self._trainer
-        self.logged_metrics.update(metrics)
+        if record:
+            self.logged_metrics.update(metrics)
         if trainer.loggers and trainer.is_global_zero:
             out = dict(metrics)
             if add_epoch and not trainer.sanity_checking:
@@ -261,12 +264,13 @@ class MetricReporter:
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """The one logging path for host values a callback computed itself (throughput, learning rates).
 
-        ``metrics`` are host numbers; they are recorded in ``logged_metrics``
-        and handed to every logger on process 0 only, at ``step`` (default:
-        ``global_step - 1``, the train step that produced them), without
-        Lightning's ``epoch`` entry. Nothing is fetched from the device here.
+        ``metrics`` are host numbers handed to every logger on process 0 only,
+        at ``step`` (default: ``global_step - 1``, the train step that produced
+        them), without Lightning's ``epoch`` entry. As in Lightning, where such
+        callbacks call the loggers themselves, they are not added to
+        ``logged_metrics``. Nothing is fetched from the device here.
         """
-        self.send(metrics, step=step, add_epoch=False)
+        self.send(metrics, step=step, add_epoch=False, record=False)
 
     # -- epochs and the sanity check ----------------------------------------------------
     def reset_epoch(self, stage: str) -> None:

@@ -199,8 +199,5 @@ class LearningRateMonitor(Callback):
 
     def _log(self, trainer: Any, interval: str) -> None:
         stats = self._extract(trainer, interval)
-        if stats and trainer.is_global_zero and trainer.loggers:
-            # MERGE(issue 21): the one host-logging call; becomes trainer.reporter.log_metrics(stats, step=...)
-            from jaxlight.loggers.logger import LoggerCollection
-
-            LoggerCollection(trainer.loggers).log_metrics(stats, step=trainer.global_step)
+        if stats:
+            trainer.reporter.log_metrics(stats, step=trainer.global_step)

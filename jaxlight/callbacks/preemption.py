@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxlight import compat, distributed
+from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
-from jaxlight.checkpoint.errors import Preempted
+from jaxlight.errors import Preempted
 from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,20 +105,12 @@ class Preemption(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         # A signal during the last step(s): training is over, but the scheduler still wants the process gone.
         if jax.process_count() > 1:
-            self._client().wait_at_barrier(f"{self._ns}/end", _KV_TIMEOUT_MS)
+            distributed.barrier(f"{self._ns}/end", _KV_TIMEOUT_MS / 1000)
             requested = self.received is not None or distributed.kv_try_get(f"{self._ns}/stop_at") is not None
         else:
             requested = self.received is not None
         if requested:
             self._stop(trainer)
-
-    @staticmethod
-    def _client() -> Any:
-        # the coordination service's barrier (jaxlight.distributed has no barrier of its own yet)
-        client = compat.distributed_client()
-        if client is None:
-            raise RuntimeError("Preemption in a multi-process run needs jax.distributed.initialize()")
-        return client
 
     def _should_stop_multi(self, trainer: Trainer) -> bool:
         here = trainer.position.micro_batches

@@ -2,7 +2,7 @@
 
 The package's layers, each importing only those above it:
 
-- :mod:`~jaxlight.checkpoint.errors`: ``CheckpointError``, ``Preempted``;
+- ``CheckpointError`` and ``Preempted`` live in :mod:`jaxlight.errors` (re-exported here);
 - :mod:`~jaxlight.checkpoint.format`: the orbax items of a checkpoint, the one
   rule for "complete", the meta item, path-keyed trees of arrays and their
   restore into a template's shardings;
@@ -28,7 +28,6 @@ from jaxlight.checkpoint.discovery import (
     find_last,
     list_checkpoints,
 )
-from jaxlight.checkpoint.errors import CheckpointError, Preempted
 from jaxlight.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -52,6 +51,7 @@ from jaxlight.checkpoint.run_state import (
     restore_logger_states,
     save_checkpoint,
 )
+from jaxlight.errors import CheckpointError, Preempted
 
 # the names these had when the package was one module (tests and benchmarks use them)
 _new_checkpointer = new_checkpointer

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxlight.checkpoint.errors import CheckpointError
 from jaxlight.checkpoint.format import TMP_MARK, is_complete, missing_parts, read_meta
 from jaxlight.checkpoint.host_state import host_checkpoint
+from jaxlight.errors import CheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.callbacks.callback import Callback

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from jaxlight import compat
-from jaxlight.checkpoint.errors import CheckpointError
+from jaxlight.errors import CheckpointError
 from jaxlight.state import path_str
 
 FORMAT = "jaxlight-checkpoint"

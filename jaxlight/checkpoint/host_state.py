@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from jaxlight import serialization
-from jaxlight.checkpoint.errors import CheckpointError
 from jaxlight.checkpoint.format import FORMAT_VERSION, META_FILE, listing, restore_numpy_item, stored_shapes
+from jaxlight.errors import CheckpointError
 
 HOST_ARRAYS = "host_arrays"  # the orbax item holding the host state's large arrays
 

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxlight.checkpoint.discovery import check_path
-from jaxlight.checkpoint.errors import CheckpointError
 from jaxlight.checkpoint.format import abstract, read_meta, restore_arrays
 from jaxlight.checkpoint.host_state import host_checkpoint
+from jaxlight.errors import CheckpointError
 from jaxlight.state import merge_models, nnx_attributes, split_models
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -21,7 +21,6 @@ import jax
 
 from jaxlight import distributed, serialization
 from jaxlight.checkpoint.discovery import as_given, find_last, no_last_reason, resolve, search_dirs
-from jaxlight.checkpoint.errors import CheckpointError
 from jaxlight.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -34,6 +33,7 @@ from jaxlight.checkpoint.format import (
     write,
 )
 from jaxlight.checkpoint.host_state import encode_host, host_checkpoint, hparams_text, save_error
+from jaxlight.errors import CheckpointError
 from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
