@@ -83,6 +83,7 @@ class WandbLogger(Logger):
         self._session: tuple[str, tuple[int, int]] | None = None  # an offline run's .wandb file and its inode
         self._session_calls = 0  # calls logged into the current offline session
         self._config: dict[str, Any] = {}  # what went to run.config (logged again in a reopened session)
+        self._lost: tuple[str, int] | None = None  # a deleted offline session (file, calls) not yet replaced
 
     @property
     def experiment(self) -> Any:
@@ -91,13 +92,14 @@ class WandbLogger(Logger):
             return self._experiment
         with self._lock:
             if self._experiment is None:
-                self._start(reopen=False)
+                self._start()
         return self._experiment
 
-    def _start(self, reopen: bool) -> None:
+    def _start(self) -> None:
         import wandb
 
-        if not reopen and wandb.run is not None and self._id in (None, wandb.run.id):
+        lost = self._lost  # (file, calls) of an offline session whose file was deleted: open a new session
+        if lost is None and wandb.run is not None and self._id in (None, wandb.run.id):
             run = wandb.run  # a run the user started themselves
             self._owned = False
         else:
@@ -118,11 +120,18 @@ class WandbLogger(Logger):
         if getattr(run, "define_metric", None) is not None:
             run.define_metric("trainer/global_step")
             run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
-        if reopen and self._config:
+        if lost is not None and self._config:
             run.config.update(self._config, allow_val_change=True)
         self._id = run.id
         self._session, self._session_calls = _offline_file(run), 0
-        self._experiment = run
+        self._experiment, self._lost = run, None
+        if lost is not None:
+            where = os.path.dirname(self._session[0]) if self._session is not None else self._save_dir
+            logger_notice(
+                f"WandbLogger: the offline run file {lost[0]} was deleted during the run, and with it the "
+                f"{lost[1]} logging call(s) this session had written. Logging goes on in a new offline session "
+                f"of the same run {self._id} in {where} (the config is logged again); `wandb sync` it."
+            )
 
     def _check_offline_run(self) -> None:
         """Reopen an offline run whose ``.wandb`` file was deleted (or replaced); raise if it is not ours."""
@@ -139,25 +148,17 @@ class WandbLogger(Logger):
         with self._lock:
             if self._session is not session:
                 return  # another thread reopened it meanwhile
-            lost = self._session_calls
             if not self._owned:
                 raise FileNotFoundError(
                     f"the W&B offline run file {path} was deleted during the run; the run was started outside "
                     f"WandbLogger, so it is not reopened, and what is logged to it would be lost"
                 )
             old, self._experiment, self._session = self._experiment, None, None
+            self._lost = (path, self._session_calls)  # kept until a new session starts (a failed start is retried)
             try:
                 old.finish()
             except Exception:  # the deleted session is lost either way; a new one is what matters
                 pass
-            self._start(reopen=True)
-            assert self._experiment is not None
-            where = os.path.dirname(self._session[0]) if self._session is not None else self._save_dir
-        logger_notice(
-            f"WandbLogger: the offline run file {path} was deleted during the run, and with it the {lost} "
-            f"logging call(s) this session had written. Logging goes on in a new offline session of the same "
-            f"run {self._id} in {where} (the config is logged again); `wandb sync` it."
-        )
 
     def setup(self) -> None:
         """Start the run (``wandb.init``) now, so a bad project, entity or key fails at fit start."""
