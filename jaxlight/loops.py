@@ -122,6 +122,7 @@ def stage_run(
             datamodule.setup(stage.fn)
         hooks.call("setup", stage.fn)
         reporter.reset()  # Lightning: every run starts with empty metric views
+        reporter.open_loggers()
         yield
     except BaseException as e:
         status = "failed"

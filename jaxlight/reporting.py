@@ -237,6 +237,13 @@ class MetricReporter:
             step = max(trainer.global_step - 1, 0) if step is None else step
             LoggerCollection(trainer.loggers).log_metrics(out, step=step)
 
+    def open_loggers(self) -> None:
+        """A stage starts: background trackers (W&B, MLflow) get this stage's calls from their worker
+        threads until :meth:`finalize_loggers`, so a slow tracker never stalls a step."""
+        trainer = self._trainer
+        if trainer.loggers and trainer.is_global_zero:
+            LoggerCollection(trainer.loggers).open()
+
     def finalize_loggers(self, status: str) -> None:
         """The end of a run: every logger's ``finalize(status)`` on process 0. A logger failing there
         raises after a successful run and is dropped after a failed one (the original error matters more)."""

@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxlight.loggers.delivery import logger_notice
 from jaxlight.loggers.logger import VersionedDirLogger, artifact_step, image_batch, png_bytes, safe_key, text_table
 
 
@@ -33,7 +34,11 @@ class CSVLogger(VersionedDirLogger):
     ``version=None`` takes the next free ``version_N``.
 
     A write that fails (disk full) leaves ``metrics.csv`` as it was (a partial
-    append is cut off again) and keeps the rows for the next write.
+    append is cut off again) and keeps the rows for the next write. When
+    ``metrics.csv`` (or its directory) is deleted during the run, the next
+    write creates it again with the header and the rows not yet written
+    (``hparams.yaml`` too), with one ``LoggerDeliveryWarning`` saying how many
+    rows went with the deleted file.
 
     Artifacts are files beside ``metrics.csv``: ``log_text`` writes
     ``text/<key>/step=N.txt`` (a table: ``.csv``), ``log_image`` writes
@@ -55,6 +60,8 @@ class CSVLogger(VersionedDirLogger):
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = []
         self._hparams: dict[str, Any] = {}
+        self._written = 0  # rows this logger wrote to metrics.csv
+        self._last_step: int | None = None  # the step of the last of them
 
     @property
     def metrics_file_path(self) -> str:
@@ -62,6 +69,9 @@ class CSVLogger(VersionedDirLogger):
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         self._hparams.update(_yaml_safe(dict(params)))
+        self._write_hparams()
+
+    def _write_hparams(self) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         path = os.path.join(self.log_dir, "hparams.yaml")
         import yaml  # a core dependency
@@ -72,17 +82,23 @@ class CSVLogger(VersionedDirLogger):
     def save(self) -> None:
         if not self._rows:
             return
-        os.makedirs(self.log_dir, exist_ok=True)
-        new_cols = [k for r in self._rows for k in r if k not in self._columns]
+        os.makedirs(self.log_dir, exist_ok=True)  # also brings back a directory deleted during the run
         path = self.metrics_file_path
-        if os.path.exists(path) and not self._columns:
+        exists = os.path.exists(path) and os.path.getsize(path) > 0
+        rewrite = False
+        if self._columns and not exists:
+            # this logger wrote the file before, and it (or its directory) was deleted: what was written is
+            # gone, the header and the rows still held here are not
+            self._recreated(path)
+            rewrite = True
+        if exists and not self._columns:
             with open(path, newline="") as f:
                 self._columns = next(csv.reader(f), [])
-            new_cols = [k for r in self._rows for k in r if k not in self._columns]
-        if new_cols:
+        new_cols = [k for r in self._rows for k in r if k not in self._columns]
+        if new_cols or rewrite:
             # the whole file again under a temporary name, then an atomic rename
             old: list[dict[str, Any]] = []
-            if os.path.exists(path):
+            if exists:
                 with open(path, newline="") as f:
                     old = list(csv.DictReader(f))
             columns = list(dict.fromkeys(self._columns + new_cols))
@@ -107,7 +123,22 @@ class CSVLogger(VersionedDirLogger):
             except BaseException:
                 _truncate(path, size)  # no half-written row; the rows stay kept for the next save
                 raise
+        self._written += len(self._rows)
+        self._last_step = next((r["step"] for r in reversed(self._rows) if r.get("step") is not None), self._last_step)
         self._rows = []
+
+    def _recreated(self, path: str) -> None:
+        """Say that ``path`` was deleted and is written again; put back ``hparams.yaml`` if it went too."""
+        hparams = ""
+        if self._hparams and not os.path.exists(os.path.join(self.log_dir, "hparams.yaml")):
+            self._write_hparams()
+            hparams = " hparams.yaml was gone too and is written again."
+        upto = f" (up to step {self._last_step})" if self._last_step is not None else ""
+        logger_notice(
+            f"CSVLogger: {path} was deleted during the run; writing it again with its header and the "
+            f"{len(self._rows)} row(s) not yet written. The {self._written} row(s) written before{upto} were in "
+            f"the deleted file and are lost.{hparams}"
+        )
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         row: dict[str, Any] = {(self._prefix + k if self._prefix else k): v for k, v in metrics.items()}

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from jaxlight.integrations import require
-from jaxlight.rank_zero import WarnOnce, process_rank, rank_zero_info, rank_zero_warn
+from jaxlight.loggers.delivery import LoggerDeliveryWarning, Outbox
+from jaxlight.rank_zero import WarnOnce, process_rank, rank_zero_warn
 
 
 class Logger:
@@ -28,7 +27,17 @@ class Logger:
     Lightning's ``WandbLogger``; loggers that cannot store them leave the
     defaults, which raise ``NotImplementedError`` (the fan-out skips such a
     logger with one warning).
+
+    ``background_delivery`` (a class attribute) says where the fan-out
+    (:class:`LoggerCollection`) calls the logger: ``False`` (the default) on
+    the calling thread, as Lightning does; ``True`` (while ``fit`` runs:
+    see :meth:`LoggerCollection.open`) from a worker thread of its own, in
+    order, so a tracker that blocks (a network call, a locked database)
+    never holds up a training step. Set it for a logger whose
+    calls may block and whose methods may run on another thread.
     """
+
+    background_delivery: bool = False
 
     @property
     def name(self) -> str | None:
@@ -264,32 +273,20 @@ def safe_key(key: str) -> str:
 
 
 # ---------------------------------------------------------------------------- the fan-out
-@dataclass
-class _Outbox:
-    """What one logger could not take yet: calls kept in order and retried (lives on the logger object)."""
-
-    pending: deque = field(default_factory=deque)
-    dropped: int = 0
-    failures: int = 0
-    last_error: str = ""
-    retry_at: float = 0.0
-    backoff: float = 0.0
-    warned: bool = False
-    warned_drop: bool = False
-
-
-def _outbox(lg: Logger) -> _Outbox:
+def _outbox(lg: Logger, policy: Any) -> Outbox:
     # Kept on the logger, not the collection: the trainer builds a LoggerCollection per call.
     ob = lg.__dict__.get("_jaxlight_outbox")
     if ob is None:
-        ob = lg.__dict__["_jaxlight_outbox"] = _Outbox()
+        background = bool(getattr(lg, "background_delivery", False))
+        ob = lg.__dict__["_jaxlight_outbox"] = Outbox(lg, _label(lg), background, policy)
+    ob.policy = policy
     return ob
 
 
 def undelivered(lg: Logger) -> int:
-    """How many logging calls ``lg`` has not accepted so far (kept for a retry, or dropped past the limit)."""
+    """How many logging calls ``lg`` has not accepted so far (queued, kept for a retry, or dropped past the limit)."""
     ob = lg.__dict__.get("_jaxlight_outbox")
-    return 0 if ob is None else len(ob.pending) + ob.dropped
+    return 0 if ob is None else ob.undelivered()
 
 
 def _label(lg: Logger) -> str:
@@ -297,24 +294,42 @@ def _label(lg: Logger) -> str:
 
 
 class LoggerCollection:
-    """Fans every call out to several loggers; a failing tracker never stops the run or the other loggers.
+    """Fans every call out to several loggers; a failing or stalled tracker never stops the run, a step, or
+    the other loggers.
 
     - ``setup()`` creates every logger's run and lets errors propagate: a
       misconfigured tracker fails at fit start, before any work.
-    - Any later call that raises (server gone, disk full, ...) is reported
-      once per logger as a warning; the call is kept (at most
-      :attr:`max_pending` per logger, the oldest dropped first) and retried,
-      in order, before that logger's next call, waiting
-      :attr:`retry_min_s` doubling up to :attr:`retry_max_s` between
-      attempts so a dead server costs one failed call per interval. The
-      other loggers get every call as usual.
-    - ``finalize(status)`` tries what is still kept once more, finalizes each
-      logger, warns about what could not be delivered and returns
-      ``{logger class: calls not delivered}`` for the loggers that lost some.
+    - Every later call is queued per logger, in order. During a trainer
+      stage (from :meth:`setup` or :meth:`open` to :meth:`finalize`) a
+      logger with ``background_delivery = True`` (W&B, MLflow) gets its
+      calls from a worker thread: the training thread only appends to the
+      queue, so a tracker that hangs (a locked database, a server that does
+      not answer) costs a step nothing. Other loggers, and every logger
+      outside a stage, are called before the call returns (behind any calls
+      still queued, so the order holds).
+    - A call that raises (server gone, disk full, ...) is reported once per
+      logger as a warning; it is kept and retried, in order, when that
+      logger's next call comes, waiting :attr:`retry_min_s` doubling up to
+      :attr:`retry_max_s` between attempts so a dead server costs one failed
+      call per interval. The other loggers get every call as usual.
+    - At most :attr:`max_pending` calls wait per logger. Past that the
+      oldest ``log_metrics`` call is dropped (other kinds only when no
+      metrics row waits), with one warning; drops are counted and reported.
+      A call in flight for more than :attr:`stall_warn_s` is warned about
+      once.
+    - ``finalize(status)`` tries what is kept once more, finalizes each
+      logger (a background logger on its worker, all within
+      :attr:`finalize_timeout_s` together), warns about what could not be
+      delivered and returns ``{logger class: calls not delivered}`` for the
+      loggers that lost some. Calls of a tracker that did not answer in time
+      stay queued and are still sent if it answers before the process exits
+      (an exit hook waits up to :attr:`finalize_timeout_s` for them, then
+      warns about the rest).
 
-    The pending calls live on the logger objects, so short-lived collections
-    (one per call) share them. Argument errors (a bad image, a malformed
-    table) are raised to the caller before anything is sent. Every method
+    The queues live on the logger objects, so short-lived collections (one
+    per call) share them. Warnings are issued on the calling thread, at the
+    next call or at finalize. Argument errors (a bad image, a malformed
+    table) are raised to the caller before anything is queued. Every method
     does nothing on processes other than 0 (loggers live on process 0), so
     hooks that run on every process may call it as they are.
     """
@@ -322,17 +337,31 @@ class LoggerCollection:
     max_pending: int = 10_000
     retry_min_s: float = 1.0
     retry_max_s: float = 60.0
+    finalize_timeout_s: float = 30.0
+    stall_warn_s: float = 10.0
 
     def __init__(self, loggers: Sequence[Logger]) -> None:
         self.loggers = list(loggers)
 
     # ---------------------------------------------------------------- fit start: errors propagate
     def setup(self) -> None:
-        """Create every logger's run now; raises the first logger's error as it comes."""
+        """Create every logger's run now (raises the first logger's error as it comes), then :meth:`open`."""
         if process_rank() != 0:
             return
         for lg in self.loggers:
             lg.setup()
+        self.open()
+
+    def open(self) -> None:
+        """A trainer stage starts: until :meth:`finalize`, background loggers get their calls from their
+        worker threads. (Outside a stage every logger is called before the call returns, as in Lightning,
+        so a script that logs and then reads the tracker sees what it logged.)"""
+        if process_rank() != 0:
+            return
+        for lg in self.loggers:
+            ob = _outbox(lg, self)
+            with ob.cond:
+                ob.active = True
 
     # ---------------------------------------------------------------- isolated calls
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -372,49 +401,65 @@ class LoggerCollection:
         self._deliver("log_image", (key, arrays), kw, optional=True)
 
     def save(self) -> None:
+        """Ask every logger to write what it buffers (queued behind its earlier calls; a failure is not kept:
+        the rows stay in the logger and its next save writes them)."""
         if process_rank() != 0:
             return
         for lg in self.loggers:
-            ob = _outbox(lg)
-            try:
-                lg.save()
-            except Exception as e:  # kept rows stay in the logger; its next save writes them
-                self._failed(lg, ob, "save", e)
+            ob = _outbox(lg, self)
+            ob.put("save", (), {}, keep=False)
+            ob.emit()
 
     def finalize(self, status: str) -> dict[str, int]:
-        """Retry what is kept, finalize each logger, report and return what could not be delivered."""
+        """Retry what is kept, finalize each logger, report and return what could not be delivered.
+
+        Waits at most :attr:`finalize_timeout_s` in all for the background loggers (they finish in parallel).
+        """
         lost: dict[str, int] = {}
         if process_rank() != 0:
             return lost
-        for lg in self.loggers:
-            ob = _outbox(lg)
-            if ob.pending:
-                self._flush(lg, ob)
-            try:
-                lg.finalize(status)
-            except Exception as e:
-                self._failed(lg, ob, "finalize", e)
-            n = len(ob.pending) + ob.dropped
-            if n:
-                kinds: dict[str, int] = {}
-                for method, _, _ in ob.pending:
-                    kinds[method] = kinds.get(method, 0) + 1
-                detail = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-                dropped = f", {ob.dropped} dropped past the limit of {self.max_pending}" if ob.dropped else ""
+        deadline = time.monotonic() + float(self.finalize_timeout_s)
+        boxes = [_outbox(lg, self) for lg in self.loggers]
+        gens = [ob.request_final(status) for ob in boxes]  # the background ones start now, side by side
+        for ob, gen in zip(boxes, gens):
+            done = ob.finish(gen, deadline)
+            ob.emit()
+            n = ob.undelivered()
+            if not n:
+                continue
+            kinds = ob.waiting()
+            detail = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+            dropped = f", {ob.dropped} dropped past the limit of {self.max_pending}" if ob.dropped else ""
+            if done:
                 rank_zero_warn(
-                    f"{_label(lg)}: {n} logging call(s) could not be delivered ({detail or 'none kept'}{dropped}); "
+                    f"{ob.label}: {n} logging call(s) could not be delivered ({detail or 'none kept'}{dropped}); "
                     f"last error: {ob.last_error}",
                     category=LoggerDeliveryWarning,
                 )
-                name = _label(lg)
-                lost[name] = lost.get(name, 0) + n
+            else:
+                with ob.cond:
+                    busy = (
+                        f"busy in {ob.inflight.method} for {time.monotonic() - ob.inflight_since:.1f} s"
+                        if ob.inflight is not None
+                        else "busy"
+                    )
+                rank_zero_warn(
+                    f"{ob.label}: {n} logging call(s) not delivered: the logger did not finish within "
+                    f"LoggerCollection.finalize_timeout_s={self.finalize_timeout_s:g} s ({busy}; "
+                    f"{detail or 'none queued'}{dropped}); last error: {ob.last_error or 'none'}. The queued calls "
+                    f"are still sent, in order, if it answers before the process exits.",
+                    category=LoggerDeliveryWarning,
+                )
+            lost[ob.label] = lost.get(ob.label, 0) + n
+        for ob in boxes:
+            with ob.cond:
+                ob.active = False  # the stage is over; later calls are delivered before they return
         return lost
 
     # ---------------------------------------------------------------- machinery
     def _deliver(self, method: str, args: tuple, kwargs: dict[str, Any], optional: bool = False) -> None:
         if process_rank() != 0:
             return
-        now = time.monotonic()
         for lg in self.loggers:
             if optional and getattr(type(lg), method, None) is getattr(Logger, method):
                 _SKIPPED(
@@ -422,63 +467,9 @@ class LoggerCollection:
                     f"{_label(lg)} does not implement {method}; {method} calls are not sent to it",
                 )
                 continue
-            ob = _outbox(lg)
-            call = (method, args, kwargs)
-            if ob.pending and (now < ob.retry_at or not self._flush(lg, ob)):
-                self._keep(lg, ob, call)
-                continue
-            try:
-                getattr(lg, method)(*args, **kwargs)
-            except Exception as e:
-                self._failed(lg, ob, method, e)
-                self._keep(lg, ob, call)
-
-    def _flush(self, lg: Logger, ob: _Outbox) -> bool:
-        """Send the kept calls in order; False (and a new back-off) at the first that fails again."""
-        sent = 0
-        while ob.pending:
-            method, args, kwargs = ob.pending[0]
-            try:
-                getattr(lg, method)(*args, **kwargs)
-            except Exception as e:
-                self._failed(lg, ob, method, e)
-                return False
-            ob.pending.popleft()
-            sent += 1
-        if sent:
-            ob.backoff = 0.0
-            rank_zero_info(f"jaxlight: {_label(lg)} works again; delivered {sent} kept logging call(s)")
-        return True
-
-    def _keep(self, lg: Logger, ob: _Outbox, call: tuple) -> None:
-        if len(ob.pending) >= self.max_pending:
-            ob.pending.popleft()
-            ob.dropped += 1
-            if not ob.warned_drop:
-                ob.warned_drop = True
-                rank_zero_warn(
-                    f"{_label(lg)} has {self.max_pending} logging calls waiting; dropping the oldest from now on",
-                    category=LoggerDeliveryWarning,
-                )
-        ob.pending.append(call)
-
-    def _failed(self, lg: Logger, ob: _Outbox, method: str, e: Exception) -> None:
-        ob.failures += 1
-        ob.last_error = f"{method}: {type(e).__name__}: {e}"
-        ob.backoff = min(max(self.retry_min_s, ob.backoff * 2), self.retry_max_s)
-        ob.retry_at = time.monotonic() + ob.backoff
-        if not ob.warned:
-            ob.warned = True
-            rank_zero_warn(
-                f"{_label(lg)} failed in {method} ({type(e).__name__}: {e}). Training goes on and the other "
-                f"loggers are not affected; this logger's calls are kept (up to {self.max_pending}) and retried, "
-                f"and the end of the run reports any that could not be delivered.",
-                category=LoggerDeliveryWarning,
-            )
-
-
-class LoggerDeliveryWarning(UserWarning):
-    """A logger failed to take a call (it is kept and retried), or calls were finally not delivered."""
+            ob = _outbox(lg, self)
+            ob.put(method, args, kwargs)
+            ob.emit()
 
 
 _SKIPPED = WarnOnce()  # (logger class, method) pairs already reported as unsupported

@@ -40,9 +40,15 @@ class MLFlowLogger(Logger):
     images (``MlflowClient.log_image(key=..., step=...)``, shown with a step
     slider in the UI; ``key_<i>`` for the i-th of several). MLflow has no
     image captions; captions go to the other loggers only.
+
+    While ``fit`` runs, the trainer's calls reach MLflow from a worker
+    thread (``background_delivery``): a slow server or a locked SQLite database
+    (MLflow waits up to 20 s for a lock, then fails) never holds up a step;
+    the calls wait in order, failures are warned, kept and retried.
     """
 
     LOGGER_JOIN_CHAR = "-"
+    background_delivery = True
 
     def __init__(
         self,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight.integrations import require
+from jaxlight.loggers.delivery import logger_notice
 from jaxlight.loggers.logger import Logger, flatten_hparams, image_batch, safe_key, text_table
 
 
@@ -30,9 +32,21 @@ class WandbLogger(Logger):
     Lightning's logger does; ``log_image``'s other keyword arguments (``caption``,
     ``masks``, ``boxes``, ...) are lists with one entry per image, passed to
     ``wandb.Image``.
+
+    While ``fit`` runs, the trainer's calls reach the run from a worker
+    thread (``background_delivery``), so a slow W&B never slows a step. An offline
+    run whose directory (or ``.wandb`` file) is deleted during the run would
+    lose everything logged after, silently (wandb writes on into the deleted
+    file): each call checks the file first, and when it is gone the logger
+    finishes that session and continues the same run id in a new offline
+    session (``resume="allow"``, the config logged again), with one
+    ``LoggerDeliveryWarning`` saying what went with the deleted file. A run
+    started outside the logger is not reopened; its calls then fail, are kept
+    and reported as undelivered.
     """
 
     LOGGER_JOIN_CHAR = "-"
+    background_delivery = True
 
     def __init__(
         self,
@@ -64,16 +78,30 @@ class WandbLogger(Logger):
         self._prefix = prefix
         self._kwargs = kwargs
         self._experiment = experiment
+        self._lock = threading.RLock()  # the run is started (or reopened) by one thread at a time
+        self._owned = False  # the run was started by this logger (so it may be reopened)
+        self._session: tuple[str, tuple[int, int]] | None = None  # an offline run's .wandb file and its inode
+        self._session_calls = 0  # calls logged into the current offline session
+        self._config: dict[str, Any] = {}  # what went to run.config (logged again in a reopened session)
+        self._lost: tuple[str, int] | None = None  # a deleted offline session (file, calls) not yet replaced
 
     @property
     def experiment(self) -> Any:
         """The ``wandb`` Run; started on first access."""
         if self._experiment is not None:
             return self._experiment
+        with self._lock:
+            if self._experiment is None:
+                self._start()
+        return self._experiment
+
+    def _start(self) -> None:
         import wandb
 
-        if wandb.run is not None and self._id in (None, wandb.run.id):
-            self._experiment = wandb.run  # a run the user started themselves
+        lost = self._lost  # (file, calls) of an offline session whose file was deleted: open a new session
+        if lost is None and wandb.run is not None and self._id in (None, wandb.run.id):
+            run = wandb.run  # a run the user started themselves
+            self._owned = False
         else:
             os.makedirs(self._save_dir, exist_ok=True)
             init = dict(
@@ -87,13 +115,50 @@ class WandbLogger(Logger):
             if self._offline:
                 init["mode"] = "offline"
             init.update(self._kwargs)
-            self._experiment = wandb.init(**{k: v for k, v in init.items() if v is not None})
-        run = self._experiment
+            run = wandb.init(**{k: v for k, v in init.items() if v is not None})
+            self._owned = True
         if getattr(run, "define_metric", None) is not None:
             run.define_metric("trainer/global_step")
             run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+        if lost is not None and self._config:
+            run.config.update(self._config, allow_val_change=True)
         self._id = run.id
-        return run
+        self._session, self._session_calls = _offline_file(run), 0
+        self._experiment, self._lost = run, None
+        if lost is not None:
+            where = os.path.dirname(self._session[0]) if self._session is not None else self._save_dir
+            logger_notice(
+                f"WandbLogger: the offline run file {lost[0]} was deleted during the run, and with it the "
+                f"{lost[1]} logging call(s) this session had written. Logging goes on in a new offline session "
+                f"of the same run {self._id} in {where} (the config is logged again); `wandb sync` it."
+            )
+
+    def _check_offline_run(self) -> None:
+        """Reopen an offline run whose ``.wandb`` file was deleted (or replaced); raise if it is not ours."""
+        session = self._session
+        if session is None or self._experiment is None:
+            return
+        path, ident = session
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == ident:
+                return
+        except OSError:
+            pass
+        with self._lock:
+            if self._session is not session:
+                return  # another thread reopened it meanwhile
+            if not self._owned:
+                raise FileNotFoundError(
+                    f"the W&B offline run file {path} was deleted during the run; the run was started outside "
+                    f"WandbLogger, so it is not reopened, and what is logged to it would be lost"
+                )
+            old, self._experiment, self._session = self._experiment, None, None
+            self._lost = (path, self._session_calls)  # kept until a new session starts (a failed start is retried)
+            try:
+                old.finish()
+            except Exception:  # the deleted session is lost either way; a new one is what matters
+                pass
 
     def setup(self) -> None:
         """Start the run (``wandb.init``) now, so a bad project, entity or key fails at fit start."""
@@ -116,13 +181,18 @@ class WandbLogger(Logger):
         return None
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.experiment.config.update(flatten_hparams(params), allow_val_change=True)
+        flat = flatten_hparams(params)
+        self._check_offline_run()
+        self.experiment.config.update(flat, allow_val_change=True)
+        self._config.update(flat)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         out = {(f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k): v for k, v in metrics.items()}
         if step is not None:
             out["trainer/global_step"] = step
+        self._check_offline_run()
         self.experiment.log(out)
+        self._session_calls += 1
 
     def log_text(
         self,
@@ -168,3 +238,17 @@ class WandbLogger(Logger):
                 f"checkpoint's run {run_id} (create the logger fresh, or pass id=)"
             )
         self._id = run_id
+
+
+def _offline_file(run: Any) -> tuple[str, tuple[int, int]] | None:
+    """An offline run's ``.wandb`` file with its (device, inode), to notice when it is deleted; else None."""
+    if getattr(run, "offline", None) is not True:
+        return None
+    path = getattr(getattr(run, "settings", None), "sync_file", None)
+    if not isinstance(path, str):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path, (st.st_dev, st.st_ino)
