@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxlight.data import BatchError, BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
 from jaxlight.errors import MisconfigurationError
+from jaxlight.grain_data import adapt_loaders, set_loader_epoch
 from jaxlight.imports import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 
@@ -63,13 +64,14 @@ class RunAhead:
 
 # ---------------------------------------------------------------------------- data of a stage
 def loader_for(trainer: Trainer, stage: Stage, given: Any) -> Any:
-    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``."""
+    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``
+    (grain pipelines wrapped in a resumable ``GrainLoader``)."""
     if given is not None:
-        return given
+        return adapt_loaders(given)
     if trainer.datamodule is not None:
-        return getattr(trainer.datamodule, stage.loader_method)()
+        return adapt_loaders(getattr(trainer.datamodule, stage.loader_method)())
     fn = getattr(trainer.lightning_module, stage.loader_method, None)
-    return fn() if callable(fn) else None
+    return adapt_loaders(fn()) if callable(fn) else None
 
 
 def batch_limit(trainer: Trainer, stage: Stage, loader: Any) -> int | float:
@@ -414,6 +416,7 @@ class FitLoop:
         ahead = RunAhead()
         while not self.done() and (t.max_epochs == -1 or t.current_epoch < t.max_epochs):
             start = pos.start_epoch()
+            set_loader_epoch(train_loader, t.current_epoch)  # Lightning: samplers reshuffle per epoch
             if not start:  # a mid-epoch resume continues the restored epoch accumulators
                 reporter.reset_epoch("train")
                 t.call_hook("on_train_epoch_start")  # Lightning: not again when resuming inside the epoch
