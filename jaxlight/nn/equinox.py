@@ -194,6 +194,16 @@ class EquinoxModule(nnx.Module):
         self.eval_kwargs = tuple(dict(eval_kwargs or {}).items())
         self.deterministic = False
 
+    def _jaxlight_prepare_source(self, source: Any) -> Any:
+        """load_variables: an Equinox model (or ``(model, state)``) becomes a pytree named like this wrapper."""
+        import equinox as eqx
+
+        model, state = source if isinstance(source, tuple) and len(source) == 2 else (source, None)
+        if not isinstance(model, eqx.Module):
+            return source
+        named = EquinoxModule(model, state, batch_axis=self.batch_axis, rngs=0)
+        return nnx.state(named, nnx.Not(nnx.RngState)).to_pure_dict()
+
     # -------------------------------------------------------------- Equinox views
     def eqx_module(self) -> Any:
         """The Equinox model built from the current arrays (traced ones inside a step); in
@@ -286,26 +296,28 @@ class EquinoxModule(nnx.Module):
 def _mode_flags_off(model: Any) -> Any:
     """``model`` with every boolean :data:`MODE_FIELDS` field of its modules at its evaluation value
     (``deterministic=True``, ``train``/``training``/``is_training=False``); ``inference`` is
-    ``eqx.nn.inference_mode``'s. Fields marked static are left as they are (they are not leaves)."""
+    ``eqx.nn.inference_mode``'s. Static fields are left as they are (they are not leaves)."""
+    import dataclasses
+
     import equinox as eqx
 
     for name in MODE_FIELDS:
         value = name not in TRAIN_ARGS
 
         def has(x: Any, n: str = name) -> bool:
-            return isinstance(x, eqx.Module) and type(getattr(x, n, None)) is bool
-
-        nodes = [x for x in jax.tree_util.tree_leaves(model, is_leaf=has) if has(x)]
-        if not nodes or all(getattr(x, name) == value for x in nodes):
-            continue
+            # by structure only (tree_at calls `where` on a tree whose leaves are placeholders)
+            return isinstance(x, eqx.Module) and any(
+                f.name == n and not f.metadata.get("static", False) for f in dataclasses.fields(x)
+            )
 
         def where(m: Any, n: str = name, h: Callable = has) -> tuple:
             return tuple(getattr(x, n) for x in jax.tree_util.tree_leaves(m, is_leaf=h) if h(x))
 
-        try:
-            model = eqx.tree_at(where, model, replace=(value,) * len(nodes))
-        except ValueError:  # a static field: not a leaf tree_at can replace
+        if not where(model):
             continue
+        model = eqx.tree_at(
+            where, model, replace_fn=lambda v, b=value: b if type(v) is bool else v, is_leaf=lambda x: x is None
+        )
     return model
 
 

@@ -212,6 +212,11 @@ class LinenModule(ToNNX):
                 out[(variablelib.variable_name_from_type(type(var)), *path)] = var
         return out
 
+    _jaxlight_linen_layout = True  # load_variables: sources in Linen's {"params": ..., "batch_stats": ...} layout
+
+    def _jaxlight_loadable_variables(self) -> dict[str, nnx.Variable]:
+        return {"/".join(map(str, k)): v for k, v in self._flat_variables().items()}
+
     def linen_variables(self) -> dict[str, Any]:
         """The model's variables as Linen's ``{"params": ..., "batch_stats": ...}`` dict of arrays
         (for calling ``module.apply`` by hand)."""
@@ -298,7 +303,8 @@ class LinenModule(ToNNX):
         linen_rngs = self._draw_rngs(rngs, True)
         abstract = jax.eval_shape(lambda r: module.init(r, *args, **kwargs), linen_rngs)
         flat = traversals.flatten_mapping(dict(abstract))
-        shapes = {"/".join(map(str, k)): tuple(v.shape) for k, v in flat.items()}
+        unboxed = {k: v.unbox() if isinstance(v, meta.AxisMetadata) else v for k, v in flat.items()}
+        shapes = {"/".join(map(str, k)): tuple(v.shape) for k, v in unboxed.items()}
         values = read_source(source, linen_collections={k[0] for k in flat})
         missing, unexpected, mismatched = check_keys(shapes, {k: tuple(np.shape(v)) for k, v in values.items()})
         if mismatched or (strict and (missing or unexpected)):
@@ -310,8 +316,7 @@ class LinenModule(ToNNX):
         for key, leaf in flat.items():
             name = "/".join(map(str, key))
             if name in values:
-                dtype = leaf.unbox().dtype if isinstance(leaf, meta.AxisMetadata) else leaf.dtype
-                value = np.asarray(values[name], dtype=dtype)
+                value = np.asarray(values[name], dtype=unboxed[key].dtype)
                 tree[key] = leaf.replace_boxed(value) if isinstance(leaf, meta.AxisMetadata) else value
             else:
                 tree[key] = initial[key]

@@ -37,6 +37,8 @@ import numpy as np
 from flax import nnx
 from flax.core import meta
 
+from jaxlight.state import nnx_attributes
+
 
 class VariablesMismatchError(ValueError):
     """The source does not fit the target; ``missing``, ``unexpected`` and ``mismatched`` list every problem
@@ -195,34 +197,29 @@ def check_keys(
 
 # ----------------------------------------------------------------------------------------- targets
 def target_variables(target: Any) -> dict[str, nnx.Variable]:
-    """The loadable variables of ``target`` by the key a source uses for them (RNG state left out)."""
-    from jaxlight.nn.linen import LinenModule
+    """The loadable variables of ``target`` by the key a source uses for them (RNG state left out).
 
-    if isinstance(target, LinenModule):
-        return {"/".join(map(str, k)): v for k, v in target._flat_variables().items()}
-    if isinstance(target, nnx.Module):
-        out = {}
-        for path, node in nnx.iter_graph(target):
-            if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState):
-                out.setdefault("/".join(map(str, path)), node)
-        return out
-    raise TypeError(f"load_variables loads into a flax.nnx.Module (an adapter included), got {type(target).__name__}")
+    An adapter names them itself (``_jaxlight_loadable_variables``: the Linen wrapper by collection);
+    any other NNX module by attribute path.
+    """
+    if not isinstance(target, nnx.Module):
+        raise TypeError(
+            f"load_variables loads into a flax.nnx.Module (an adapter included), got {type(target).__name__}"
+        )
+    own = getattr(type(target), "_jaxlight_loadable_variables", None)
+    if callable(own):
+        return own(target)
+    out = {}
+    for path, node in nnx.iter_graph(target):
+        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState):
+            out.setdefault("/".join(map(str, path)), node)
+    return out
 
 
-def _equinox_source(target: Any, source: Any) -> Any:
-    """An Equinox model (or ``(model, state)``) named like ``target``'s variables."""
-    from jaxlight.nn.equinox import EquinoxModule
-
-    if not isinstance(target, EquinoxModule):
-        return source
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - an EquinoxModule exists only with equinox installed
-        return source
-    model, state = source if isinstance(source, tuple) and len(source) == 2 else (source, None)
-    if not isinstance(model, eqx.Module):
-        return source
-    return EquinoxModule(model, state, batch_axis=target.batch_axis, rngs=0)
+def _prepared(target: Any, source: Any) -> Any:
+    """``source`` as the target names it (an adapter may turn a model of its kind into a pytree)."""
+    prepare = getattr(type(target), "_jaxlight_prepare_source", None)
+    return prepare(target, source) if callable(prepare) else source
 
 
 def _is_concrete(v: Any) -> bool:
@@ -268,11 +265,8 @@ def load_variables(target: Any, source: Any, *, strict: bool = True, select: str
     of missing keys and ignores unexpected ones (a mis-shaped key still
     raises) and returns them. Values are cast to each variable's dtype.
     """
-    from jaxlight.module import LightningModule
-
-    if isinstance(target, LightningModule):
-        from jaxlight.state import nnx_attributes
-
+    if not isinstance(target, nnx.Module) and hasattr(target, "__dict__") and nnx_attributes(target):
+        # a LightningModule (or any object holding NNX modules as attributes)
         models = nnx_attributes(target)
         if not isinstance(source, Mapping) or not set(source) <= set(models):
             raise TypeError(
@@ -286,8 +280,6 @@ def load_variables(target: Any, source: Any, *, strict: bool = True, select: str
             missing += [f"{name}/{k}" for k in r.missing_keys]
             unexpected += [f"{name}/{k}" for k in r.unexpected_keys]
         return LoadResult(missing, unexpected)
-    from jaxlight.nn.linen import LinenModule
-
     targets = target_variables(target)
     for key, var in targets.items():
         if isinstance(var.get_value(), jax.core.Tracer):
@@ -297,8 +289,9 @@ def load_variables(target: Any, source: Any, *, strict: bool = True, select: str
                 f"a model built outside the trainer"
             )
     want = {k: tuple(v.get_value().shape) for k, v in targets.items()}
-    collections = {k.split("/", 1)[0] for k in want} if isinstance(target, LinenModule) else None
-    opened = _open(_equinox_source(target, source))
+    linen = bool(getattr(type(target), "_jaxlight_linen_layout", False))
+    collections = {k.split("/", 1)[0] for k in want} if linen else None
+    opened = _open(_prepared(target, source))
     orbax = opened if isinstance(opened, _Orbax) else None
     if orbax is not None:
         flat_shapes = _select(dict(orbax.shapes), select)
