@@ -24,6 +24,7 @@ from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.confi
 from jaxlight.config import TrainerConfig
 from jaxlight.data import BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
 from jaxlight.errors import BatchError, MisconfigurationError
+from jaxlight.grain_data import adapt_loaders, set_loader_epoch
 from jaxlight.hooks import overrides, takes_argument
 from jaxlight.rank_zero import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
@@ -144,13 +145,14 @@ def stage_run(
 
 # ---------------------------------------------------------------------------- data of a stage
 def loader_for(stage: Stage, given: Any, datamodule: Any, module: Any) -> Any:
-    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``."""
+    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``
+    (grain pipelines wrapped in a resumable ``GrainLoader``)."""
     if given is not None:
-        return given
+        return adapt_loaders(given)
     if datamodule is not None:
-        return getattr(datamodule, stage.loader_method)()
+        return adapt_loaders(getattr(datamodule, stage.loader_method)())
     fn = getattr(module, stage.loader_method, None)
-    return fn() if callable(fn) else None
+    return adapt_loaders(fn()) if callable(fn) else None
 
 
 def batch_limit(config: TrainerConfig, stage: Stage, loader: Any) -> int | float:
@@ -492,6 +494,7 @@ class FitLoop:
         ahead = RunAhead()
         while not self.done() and (config.max_epochs == -1 or pos.epoch < config.max_epochs):
             start, n_batches = pos.start_epoch(), state.num_training_batches
+            set_loader_epoch(train_loader, pos.epoch)  # Lightning: samplers reshuffle per epoch
             if not start:  # a mid-epoch resume continues the restored epoch accumulators
                 reporter.reset_epoch("train")
                 hooks.call("on_train_epoch_start")  # Lightning: not again when resuming inside the epoch

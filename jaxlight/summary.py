@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlight.strategies.placement import layout_summary_lines
+
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
@@ -62,7 +64,13 @@ def fmt_state_bytes(tree: Any) -> str:
     return f"{device} device + {fmt_bytes(host)} host" if host else device
 
 
-def summarize(params: Mapping[str, jax.Array], opt_state: Any, mesh: jax.sharding.Mesh, max_depth: int = 1) -> str:
+def summarize(
+    params: Mapping[str, jax.Array],
+    opt_state: Any,
+    mesh: jax.sharding.Mesh,
+    max_depth: int = 1,
+    variables: Mapping[str, Any] | None = None,
+) -> str:
     """A table of parameter counts and per-device bytes, by module path prefix."""
     groups: dict[str, list[jax.Array]] = {}
     for path, arr in params.items():
@@ -84,5 +92,6 @@ def summarize(params: Mapping[str, jax.Array], opt_state: Any, mesh: jax.shardin
         f"Mesh: {mesh_txt} ({mesh.size} devices)",
         f"Trainable params: {fmt_count(total)} ({fmt_bytes(total_bytes(params))} total)",
         f"Per device: params {fmt_bytes(per_device_bytes(params))}, optimizer state {fmt_state_bytes(opt_state)}",
+        *layout_summary_lines(params, variables),
     ]
     return "\n".join(lines)

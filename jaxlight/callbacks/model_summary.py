@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.strategies.placement import layout_summary_lines
 from jaxlight.summary import fmt_bytes, fmt_count, fmt_state_bytes, per_device_bytes
 
 
@@ -125,5 +126,12 @@ class ModelSummary(Callback):
                 else []
             ),
             f"Mesh: {mesh_txt} ({mesh.size} devices)",
+            *layout_summary_lines(params, _param_variables(trainer)),
         ]
         return "\n".join(lines)
+
+
+def _param_variables(trainer: Any) -> Any:
+    """The NNX variables behind the parameters (their annotations), when the engine holds them."""
+    parts = getattr(trainer.engine, "parts", None)
+    return parts.params.variables if parts is not None else None

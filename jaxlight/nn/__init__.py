@@ -5,6 +5,7 @@ from jaxlight.nn.constrain import axis_rules, constrain
 from jaxlight.nn.equinox import EquinoxBuffer, EquinoxModule, EquinoxState, from_equinox
 from jaxlight.nn.layer_stack import LayerStack
 from jaxlight.nn.linen import LinenModule, from_linen
+from jaxlight.nn.variables import VariablesMismatchError, load_variables
 
 __all__ = [
     "LayerStack",
@@ -17,4 +18,6 @@ __all__ = [
     "EquinoxModule",
     "EquinoxState",
     "EquinoxBuffer",
+    "load_variables",
+    "VariablesMismatchError",
 ]

@@ -10,8 +10,12 @@ Everything else in the model (activation functions, sizes, flags) is static.
 Calling the wrapper runs the model the way Equinox code does by hand: vmapped
 over the batch rows with ``axis_name="batch"`` (what ``eqx.nn.BatchNorm``
 reduces over), the state threaded in and out, one dropout key per row drawn
-from the wrapper's RNG stream, and ``eqx.nn.inference_mode`` in evaluation.
-Equinox is imported only when a wrapper is built.
+from the wrapper's RNG stream, and ``eqx.nn.inference_mode`` in evaluation
+(with every other boolean ``deterministic`` / ``train`` / ``training`` /
+``is_training`` field of the model's modules at its evaluation value, and a
+``train``/``inference``-style argument of the model's ``__call__`` that a
+call leaves out filled from the mode). Equinox is imported only when a
+wrapper is built.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlight.nn.linen import make_rngs
+from jaxlight.nn.linen import MODE_FIELDS, TRAIN_ARGS, _tracing, make_rngs, mode_arguments
 
 
 class EquinoxState(nnx.Variable):
@@ -106,6 +110,10 @@ class EquinoxModule(nnx.Module):
         rngs: Any = None,
         trainable: Any = None,
         logical_axes: Mapping[str, Sequence[str | None]] | None = None,
+        mode_arg: bool = True,
+        eval_model: Callable[[Any], Any] | None = None,
+        train_kwargs: Mapping[str, Any] | None = None,
+        eval_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         from jaxlight.integrations import require
 
@@ -178,7 +186,23 @@ class EquinoxModule(nnx.Module):
                 f"the model takes key=, drawn from the 'dropout' stream of rngs (or its 'default' one); "
                 f"rngs has only {sorted(dict(self.rngs.items()))}"
             )
+        self.mode_arg = bool(mode_arg)
+        if eval_model is not None and not callable(eval_model):
+            raise TypeError(f"eval_model must be a callable model -> model, got {type(eval_model).__name__}")
+        self.eval_model = eval_model  # static: part of the graph definition
+        self.train_kwargs = tuple(dict(train_kwargs or {}).items())
+        self.eval_kwargs = tuple(dict(eval_kwargs or {}).items())
         self.deterministic = False
+
+    def _jaxlight_prepare_source(self, source: Any) -> Any:
+        """load_variables: an Equinox model (or ``(model, state)``) becomes a pytree named like this wrapper."""
+        import equinox as eqx
+
+        model, state = source if isinstance(source, tuple) and len(source) == 2 else (source, None)
+        if not isinstance(model, eqx.Module):
+            return source
+        named = EquinoxModule(model, state, batch_axis=self.batch_axis, rngs=0)
+        return nnx.state(named, nnx.Not(nnx.RngState)).to_pure_dict()
 
     # -------------------------------------------------------------- Equinox views
     def eqx_module(self) -> Any:
@@ -191,7 +215,11 @@ class EquinoxModule(nnx.Module):
             self.model,
             is_leaf=lambda v: isinstance(v, nnx.Variable),
         )
-        return eqx.nn.inference_mode(model) if self.deterministic else model
+        if not self.deterministic:
+            return model
+        if self.eval_model is not None:
+            return self.eval_model(model)
+        return _mode_flags_off(eqx.nn.inference_mode(model))
 
     def eqx_state(self) -> Any:
         """The model's ``eqx.nn.State`` built from the carried values (None for a stateless model)."""
@@ -230,6 +258,11 @@ class EquinoxModule(nnx.Module):
             state = _in_compute_dtype(state, model)
         if self.takes_key and key is None:
             key = self.rngs.dropout()
+        training = not self.deterministic
+        kwargs = {**dict(self.train_kwargs if training else self.eval_kwargs), **kwargs}
+        if self.mode_arg:
+            shown = (*args, state) if stateful else args  # what the model is called with, row by row
+            kwargs = {**kwargs, **mode_arguments(type(model).__call__, shown, kwargs, training)}
 
         def run(row: tuple, k: jax.Array | None) -> Any:
             kw = {**kwargs, "key": k} if self.takes_key else kwargs
@@ -258,6 +291,34 @@ class EquinoxModule(nnx.Module):
         out, new_state = out
         self.set_eqx_state(new_state)
         return out
+
+
+def _mode_flags_off(model: Any) -> Any:
+    """``model`` with every boolean :data:`MODE_FIELDS` field of its modules at its evaluation value
+    (``deterministic=True``, ``train``/``training``/``is_training=False``); ``inference`` is
+    ``eqx.nn.inference_mode``'s. Static fields are left as they are (they are not leaves)."""
+    import dataclasses
+
+    import equinox as eqx
+
+    for name in MODE_FIELDS:
+        value = name not in TRAIN_ARGS
+
+        def has(x: Any, n: str = name) -> bool:
+            # by structure only (tree_at calls `where` on a tree whose leaves are placeholders)
+            return isinstance(x, eqx.Module) and any(
+                f.name == n and not f.metadata.get("static", False) for f in dataclasses.fields(x)
+            )
+
+        def where(m: Any, n: str = name, h: Callable = has) -> tuple:
+            return tuple(getattr(x, n) for x in jax.tree_util.tree_leaves(m, is_leaf=h) if h(x))
+
+        if not where(model):
+            continue
+        model = eqx.tree_at(
+            where, model, replace_fn=lambda v, b=value: b if type(v) is bool else v, is_leaf=lambda x: x is None
+        )
+    return model
 
 
 def _in_compute_dtype(state: Any, model: Any) -> Any:
@@ -312,6 +373,12 @@ def from_equinox(
     rngs: Any = None,
     trainable: Any = None,
     logical_axes: Mapping[str, Sequence[str | None]] | None = None,
+    variables: Any = None,
+    strict: bool = True,
+    mode_arg: bool = True,
+    eval_model: Callable[[Any], Any] | None = None,
+    train_kwargs: Mapping[str, Any] | None = None,
+    eval_kwargs: Mapping[str, Any] | None = None,
 ) -> EquinoxModule:
     """Wrap an Equinox model (and its ``eqx.nn.State``) as an NNX module the trainer trains as it is.
 
@@ -336,8 +403,46 @@ def from_equinox(
       paths like ``layers/0/weight``), placed through the strategy's rules;
       unannotated leaves take the shape heuristic and the guardrail.
 
+    - ``variables``: existing values to load after wrapping (an Equinox model
+      or ``(model, state)`` with trained arrays, a ``{"model/l1/weight": ...}``
+      pytree, a flax msgpack file or an orbax directory; see
+      :func:`jaxlight.nn.load_variables`), with strict key and shape checks.
+      A model that already holds its trained arrays needs none: they are
+      what is wrapped. Outside a trace only (``__init__``, not
+      ``configure_model``).
+    - Evaluation runs ``eqx.nn.inference_mode(model)`` with every other
+      boolean ``deterministic``/``train``/``training``/``is_training`` field
+      of the model's modules at its evaluation value; ``eval_model`` (a
+      callable ``model -> model``) replaces that. With ``mode_arg`` an
+      argument of the model's ``__call__`` named like a mode switch
+      (``inference``, ``deterministic``, ``train``...) that a call leaves out
+      is filled from the mode. ``train_kwargs`` / ``eval_kwargs`` are
+      keyword arguments every call of that mode gets.
+
     A model with ``eqx.nn.StateIndex`` layers and no ``state`` gets
     ``eqx.nn.State(model)`` (its initial states); the model's copies of the
     initial states are dropped (they would otherwise be trained).
     """
-    return EquinoxModule(model, state, batch_axis=batch_axis, rngs=rngs, trainable=trainable, logical_axes=logical_axes)
+    net = EquinoxModule(
+        model,
+        state,
+        batch_axis=batch_axis,
+        rngs=rngs,
+        trainable=trainable,
+        logical_axes=logical_axes,
+        mode_arg=mode_arg,
+        eval_model=eval_model,
+        train_kwargs=train_kwargs,
+        eval_kwargs=eval_kwargs,
+    )
+    if variables is not None:
+        if _tracing():
+            raise RuntimeError(
+                "from_equinox(..., variables=...) was called inside a jax trace (configure_model runs under "
+                "jax.eval_shape and jit): build the wrapper in the LightningModule's __init__, or call "
+                "jl.nn.load_variables(self.net, source) in on_fit_start"
+            )
+        from jaxlight.nn.variables import load_variables
+
+        load_variables(net, variables, strict=strict)
+    return net

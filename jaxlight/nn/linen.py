@@ -12,16 +12,22 @@ trainer's steps), so the step code never threads Linen's ``mutable=`` or
 - always: one key per RNG stream is drawn from the wrapper's ``nnx.Rngs``
   and passed as Linen's ``rngs=``, so dropout sees a new mask every step;
 - a ``train`` / ``deterministic`` argument of the model's method that a call
-  leaves out is filled from the mode.
+  leaves out is filled from the mode;
+- a boolean ``deterministic`` / ``train`` / ``training`` / ``is_training``
+  field of the module, or of a dataclass it holds as a field (lm1b's
+  ``config.deterministic``), is set to its evaluation value in a clone that
+  validation, test and predict steps call (``eval_module=`` overrides it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 from flax.core import meta
@@ -35,6 +41,63 @@ TRAIN_ARGS: tuple[str, ...] = ("train", "training", "is_training")
 
 EVAL_ARGS: tuple[str, ...] = ("deterministic", "use_running_average", "inference", "eval")
 """Argument names filled with False in training steps and True in evaluation."""
+
+
+MODE_FIELDS: tuple[str, ...] = ("deterministic", "train", "training", "is_training")
+"""Boolean module (or config-dataclass) fields read as a mode switch: ``deterministic`` is True in
+evaluation, the others are False in evaluation."""
+
+
+def _eval_value(name: str) -> bool:
+    return name not in TRAIN_ARGS
+
+
+def mode_fields(module: Any) -> list[str]:
+    """The mode switches :func:`eval_clone` sets, as dotted paths (``"deterministic"``,
+    ``"config.deterministic"``): boolean :data:`MODE_FIELDS` of the module's dataclass fields, and of
+    dataclasses (not modules) it holds as fields, one level down (lm1b's ``TransformerConfig``)."""
+    found: list[str] = []
+    if not dataclasses.is_dataclass(module):
+        return found
+    for f in dataclasses.fields(module):
+        if f.name in ("parent", "name"):
+            continue
+        value = getattr(module, f.name, None)
+        if f.name in MODE_FIELDS and type(value) is bool:
+            found.append(f.name)
+        elif (
+            dataclasses.is_dataclass(value)
+            and not isinstance(value, type)
+            and not isinstance(value, nn.Module)
+            and f.name not in MODE_FIELDS
+        ):
+            for g in dataclasses.fields(value):
+                if g.name in MODE_FIELDS and type(getattr(value, g.name, None)) is bool:
+                    found.append(f"{f.name}.{g.name}")
+    return found
+
+
+def eval_clone(module: nn.Module) -> nn.Module:
+    """``module`` with every :func:`mode_fields` switch at its evaluation value (``deterministic=True``,
+    ``train=False``...): a clone, or ``module`` itself when there is nothing to switch or every switch
+    already has that value. A config dataclass field is replaced with ``dataclasses.replace``."""
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, bool]] = {}
+    for path in mode_fields(module):
+        head, _, leaf = path.partition(".")
+        if leaf:
+            if getattr(getattr(module, head), leaf) != _eval_value(leaf):
+                nested.setdefault(head, {})[leaf] = _eval_value(leaf)
+        elif getattr(module, head) != _eval_value(head):
+            top[head] = _eval_value(head)
+    for head, changes in nested.items():
+        top[head] = dataclasses.replace(getattr(module, head), **changes)
+    return module.clone(**top) if top else module
+
+
+def _tracing() -> bool:
+    """Whether this runs inside a jax trace (jit, eval_shape): an op on constants gives a tracer there."""
+    return isinstance(jax.lax.add(np.float32(0), np.float32(0)), jax.core.Tracer)
 
 
 def make_rngs(rngs: Any) -> nnx.Rngs:
@@ -96,14 +159,43 @@ class LinenModule(ToNNX):
     and their new values stored; in evaluation all are read-only. An explicit
     ``mutable=`` or ``rngs=`` overrides the mode's choice for that call (the
     call still returns only the output, as ``nnx.bridge.ToNNX`` does).
+
+    Evaluation calls (and init) use ``eval_module``: by default
+    :func:`eval_clone` of the module (its ``deterministic`` / ``train``-style
+    fields, or a held config's, at their evaluation values). ``train_kwargs``
+    / ``eval_kwargs`` are keyword arguments added to every call in that mode
+    (a call's own keywords win).
     """
 
-    def __init__(self, module: nn.Module, rngs: Any = None, *, mode_arg: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        rngs: Any = None,
+        *,
+        mode_arg: bool = True,
+        eval_module: nn.Module | Callable[[nn.Module], nn.Module] | None = None,
+        train_kwargs: Mapping[str, Any] | None = None,
+        eval_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"from_linen expects a flax.linen.Module instance, got {type(module).__name__}")
         super().__init__(module, rngs=None)
         self.to_nnx__rngs = nnx.data(make_rngs(rngs))  # ToNNX would fork it again
         self.to_nnx__mode_arg = bool(mode_arg)
+        if eval_module is None:
+            evaluation = eval_clone(module)
+        elif isinstance(eval_module, nn.Module):
+            evaluation = eval_module
+        elif callable(eval_module):
+            evaluation = eval_module(module)
+        else:
+            raise TypeError(f"eval_module must be a Linen module or a callable, got {type(eval_module).__name__}")
+        if not isinstance(evaluation, nn.Module):
+            raise TypeError(f"eval_module(module) returned {type(evaluation).__name__}, not a Linen module")
+        self.to_nnx__eval_module = evaluation
+        # tuples of pairs: static attributes of the NNX graph must be hashable
+        self.to_nnx__train_kwargs = tuple(dict(train_kwargs or {}).items())
+        self.to_nnx__eval_kwargs = tuple(dict(eval_kwargs or {}).items())
         self.deterministic = False
 
     # -------------------------------------------------------------- variables
@@ -119,6 +211,11 @@ class LinenModule(ToNNX):
             if isinstance(var, nnx.Variable):
                 out[(variablelib.variable_name_from_type(type(var)), *path)] = var
         return out
+
+    _jaxlight_linen_layout = True  # load_variables: sources in Linen's {"params": ..., "batch_stats": ...} layout
+
+    def _jaxlight_loadable_variables(self) -> dict[str, nnx.Variable]:
+        return {"/".join(map(str, k)): v for k, v in self._flat_variables().items()}
 
     def linen_variables(self) -> dict[str, Any]:
         """The model's variables as Linen's ``{"params": ..., "batch_stats": ...}`` dict of arrays
@@ -176,6 +273,55 @@ class LinenModule(ToNNX):
             return getattr(type(self.to_nnx__module), method)
         return method
 
+    def linen_module(self, training: bool | None = None) -> nn.Module:
+        """The Linen module calls use in training (``training=True``) or evaluation (False); None: the
+        current mode (``deterministic``)."""
+        training = not self.deterministic if training is None else training
+        return self.to_nnx__module if training else self.to_nnx__eval_module
+
+    def _call_kwargs(self, method: Any, args: tuple, kwargs: Mapping[str, Any], training: bool) -> dict[str, Any]:
+        extra = dict(self.to_nnx__train_kwargs if training else self.to_nnx__eval_kwargs)
+        kwargs = {**extra, **kwargs}
+        if self.to_nnx__mode_arg:
+            kwargs = {**kwargs, **mode_arguments(self._method_fn(method), args, kwargs, training)}
+        return kwargs
+
+    def _init_from(self, source: Any, args: tuple, kwargs: Mapping[str, Any], rngs: Any, strict: bool) -> None:
+        """Create the variables from existing values instead of running init (shapes from ``jax.eval_shape``)."""
+        from jaxlight.nn.variables import VariablesMismatchError, check_keys, read_source
+
+        if _tracing():
+            raise RuntimeError(
+                "from_linen(..., variables=...) was called inside a jax trace (configure_model runs under "
+                "jax.eval_shape and jit), where loaded values could only become constants of the program. "
+                "Build the wrapper in the LightningModule's __init__ (the trainer then places each loaded leaf "
+                "on its sharding), or keep from_linen without variables= in configure_model and call "
+                "jl.nn.load_variables(self.net, source) in on_fit_start"
+            )
+        module = self.to_nnx__eval_module
+        kwargs = self._call_kwargs(None, args, kwargs, training=False)
+        linen_rngs = self._draw_rngs(rngs, True)
+        abstract = jax.eval_shape(lambda r: module.init(r, *args, **kwargs), linen_rngs)
+        flat = traversals.flatten_mapping(dict(abstract))
+        unboxed = {k: v.unbox() if isinstance(v, meta.AxisMetadata) else v for k, v in flat.items()}
+        shapes = {"/".join(map(str, k)): tuple(v.shape) for k, v in unboxed.items()}
+        values = read_source(source, linen_collections={k[0] for k in flat})
+        missing, unexpected, mismatched = check_keys(shapes, {k: tuple(np.shape(v)) for k, v in values.items()})
+        if mismatched or (strict and (missing or unexpected)):
+            raise VariablesMismatchError.build(type(module).__name__, missing, unexpected, mismatched, strict)
+        initial = None
+        if missing:  # strict=False: the ones the source lacks keep their init values
+            initial = traversals.flatten_mapping(dict(module.init(linen_rngs, *args, **kwargs)))
+        tree = {}
+        for key, leaf in flat.items():
+            name = "/".join(map(str, key))
+            if name in values:
+                value = np.asarray(values[name], dtype=unboxed[key].dtype)
+                tree[key] = leaf.replace_boxed(value) if isinstance(leaf, meta.AxisMetadata) else value
+            else:
+                tree[key] = initial[key]
+        self._store_init(traversals.unflatten_mapping(tree))
+
     def __call__(
         self,
         *args: Any,
@@ -184,11 +330,10 @@ class LinenModule(ToNNX):
         mutable: Any = None,
         **kwargs: Any,
     ) -> Any:
-        module = self.to_nnx__module
         init = self._pytree__state.initializing
         training = not init and not self.deterministic
-        if self.to_nnx__mode_arg:
-            kwargs = {**kwargs, **mode_arguments(self._method_fn(method), args, kwargs, training)}
+        module = self.linen_module(training)
+        kwargs = self._call_kwargs(method, args, kwargs, training)
         linen_rngs = self._draw_rngs(rngs, init)
         if init:
             out, variables = module.init_with_output(linen_rngs, *args, method=method, **kwargs)
@@ -221,16 +366,45 @@ def from_linen(
     *sample_inputs: Any,
     rngs: Any = None,
     mode_arg: bool = True,
+    init_key: Any = None,
+    variables: Any = None,
+    strict: bool = True,
+    eval_module: nn.Module | Callable[[nn.Module], nn.Module] | None = None,
+    train_kwargs: Mapping[str, Any] | None = None,
+    eval_kwargs: Mapping[str, Any] | None = None,
     **init_kwargs: Any,
 ) -> LinenModule:
     """Wrap a flax Linen module as an NNX module the trainer trains as it is.
 
     Initialises like ``module.init({"params": key}, *sample_inputs,
     **init_kwargs)``, with ``key`` the next key of the ``params`` stream of
-    ``rngs`` (see :func:`make_rngs`; default seed 0). When the model's method
-    has a ``train``-style argument (:data:`TRAIN_ARGS`, :data:`EVAL_ARGS`)
-    that ``init_kwargs`` leave out, init runs with it in evaluation mode
-    (``train=False``), as Linen examples do.
+    ``rngs`` (see :func:`make_rngs`; default seed 0), or ``init_key`` itself
+    when given: ``init_key=k`` runs exactly ``module.init(k, ...)`` (a
+    mapping ``{"params": k1, "dropout": k2}`` is passed as Linen's rngs as
+    is), so an example's own key reproduces its own initial parameters.
+    When the model's method has a ``train``-style argument (:data:`TRAIN_ARGS`,
+    :data:`EVAL_ARGS`) that ``init_kwargs`` leave out, init runs with it in
+    evaluation mode (``train=False``), as Linen examples do; init also calls
+    the evaluation module (below), as lm1b initialises with its eval config.
+
+    ``variables``: existing values instead of an init (see
+    :func:`jaxlight.nn.load_variables` for the sources: a Linen variables
+    dict such as ``{"params": ..., "batch_stats": ...}`` or its ``params``
+    alone, a flax msgpack file, an orbax checkpoint directory). Keys and
+    shapes are checked against what init would create before anything is
+    read; one error lists every missing, unexpected and mis-shaped key
+    (``strict=False`` lets missing ones keep their init values and ignores
+    unexpected ones). Call it outside a trace (in ``__init__``): the arrays
+    stay on the host and the trainer places each onto its sharding.
+
+    Mode switches: evaluation (validate/test/predict) calls ``eval_module``,
+    by default :func:`eval_clone` of ``module`` (boolean ``deterministic`` /
+    ``train`` / ``training`` / ``is_training`` fields, on the module or a
+    dataclass it holds, at their evaluation values); pass a Linen module, or a
+    callable ``module -> module``, to choose it yourself (``eval_module=module``
+    keeps dropout on in evaluation). ``train_kwargs`` / ``eval_kwargs`` are
+    keyword arguments every call of that mode gets (``eval_kwargs={"is_train":
+    False}`` for a flag with another name).
 
     Call it in ``configure_model`` and call the result as the Linen code
     expects, ``self.net(x)`` or ``self.net(x, train=True)``:
@@ -248,4 +422,17 @@ def from_linen(
     ``nn.with_logical_partitioning`` kept for placement); other collections
     are carried. See docs/models.md.
     """
-    return LinenModule(module, rngs=rngs, mode_arg=mode_arg).lazy_init(*sample_inputs, **init_kwargs)
+    net = LinenModule(
+        module,
+        rngs=rngs,
+        mode_arg=mode_arg,
+        eval_module=eval_module,
+        train_kwargs=train_kwargs,
+        eval_kwargs=eval_kwargs,
+    )
+    if variables is not None:
+        net._init_from(variables, sample_inputs, init_kwargs, init_key, strict)
+        return net
+    if init_key is not None:
+        return net.lazy_init(*sample_inputs, rngs=init_key, **init_kwargs)
+    return net.lazy_init(*sample_inputs, **init_kwargs)

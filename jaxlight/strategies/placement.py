@@ -14,6 +14,7 @@ Optimizer and callback state follow the parameters they mirror
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,12 +24,27 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.state import logical_axes
-from jaxlight.strategies.rules import BATCH_AXES, PARAM_FORBIDDEN_AXES, Rules, resolve_spec
+from jaxlight.strategies.rules import (
+    BATCH_AXES,
+    MESH_AXES,
+    PARAM_FORBIDDEN_AXES,
+    Rules,
+    pad_names,
+    resolve_spec,
+    rule_names,
+)
 from jaxlight.strategies.strategy import Strategy
+
+PARAM_AXES: tuple[str, ...] = ("fsdp", "tensor", "expert", "stage")
+"""Mesh axes meant to hold parameters; one of size > 1 that ends up holding none is warned about at setup."""
 
 
 class LayoutError(ValueError):
     """A placement that would silently replicate, or put a parameter on a batch axis."""
+
+
+class PlacementWarning(UserWarning):
+    """A mesh axis meant for parameters that holds none of them (the strategy piece does nothing)."""
 
 
 def _spec_axes(spec: tuple) -> list[str]:
@@ -66,9 +82,10 @@ def param_specs(
     # placement, not a memory optimisation the min_shard floor may skip.
     required = tuple(a for a in PARAM_FORBIDDEN_AXES if a not in forbidden)
     specs: dict[str, tuple] = {}
+    annotations = checked_annotations(abstract, variables, rules, mesh_shape, forbidden)
     for path, arr in abstract.items():
         shape = tuple(arr.shape)
-        names = logical_axes(variables[path]) if path in variables else None
+        names = annotations.get(path)
         size = math.prod(shape)
         if names is not None:
             _check_forbidden(path, shape, names, strategy.rules, forbidden)
@@ -86,8 +103,74 @@ def param_specs(
         else:
             spec = heuristic_spec(shape, mesh_shape, strategy.min_shard)
         specs[path] = spec
-    check_tolerance(abstract, specs, strategy, mesh)
+    check_tolerance(abstract, specs, strategy, mesh, annotations)
+    for message in idle_axis_messages(abstract, specs, strategy, mesh, annotations):
+        warnings.warn(message, PlacementWarning, stacklevel=3)
     return specs
+
+
+def checked_annotations(
+    abstract: Mapping[str, Any],
+    variables: Mapping[str, Any],
+    rules: Rules,
+    mesh_shape: Mapping[str, int],
+    forbidden: tuple[str, ...] = PARAM_FORBIDDEN_AXES,
+    kind: str = "parameter",
+) -> dict[str, tuple]:
+    """``{path: names}`` for the annotated arrays, one name per dimension, after flax's conventions are checked.
+
+    - fewer names than dimensions: the trailing dimensions stay whole (flax's partial-rank rule);
+    - a name is either a logical name the rules give candidates for, or one of the six mesh axes
+      (used as that axis, as in ``nnx.with_partitioning(init, (None, "tensor"))``);
+    - a mesh axis named directly must divide its dimension and may not be a batch axis.
+
+    Raises one :class:`LayoutError` listing every array that breaks a rule (path, shape, annotation,
+    what is wrong and the rule to add), so a table written for another mesh is never silently ignored.
+    """
+    known = rule_names(rules)
+    out: dict[str, tuple] = {}
+    problems: list[str] = []
+    unknown: dict[str, list[str]] = {}
+    for path, arr in abstract.items():
+        names = logical_axes(variables[path]) if path in variables else None
+        if names is None:
+            continue
+        shape = tuple(getattr(arr, "shape", ()))
+        try:
+            padded = pad_names(names, shape)
+        except ValueError as e:
+            problems.append(f"  {kind} {path} {shape}: {e}")
+            continue
+        for dim, (name, size) in enumerate(zip(padded, shape)):
+            if name is None or name in known:
+                continue
+            if name not in MESH_AXES:
+                unknown.setdefault(name, []).append(f"{path} {shape} annotated {tuple(names)}")
+            elif name in forbidden:
+                problems.append(
+                    f"  {kind} {path} {shape} names mesh axis {name!r} directly (annotation {tuple(names)}); "
+                    f"parameters may not use {forbidden}: those axes split the batch or hold pipeline stages"
+                )
+            elif size % mesh_shape.get(name, 1):
+                problems.append(
+                    f"  {kind} {path} {shape} names mesh axis {name!r} directly for dim {dim} ({size}), which "
+                    f"{name!r} (size {mesh_shape[name]}) does not divide; use a logical name with fallbacks "
+                    f"(e.g. 'mlp') or a size that divides it"
+                )
+        out[path] = padded
+    for name, where in unknown.items():
+        listing = "\n".join(f"    {w}" for w in where[:20])
+        more = f"\n    ... and {len(where) - 20} more" if len(where) > 20 else ""
+        problems.append(
+            f"  {name!r} is neither a logical name the rules map nor a mesh axis {MESH_AXES}; used by:\n"
+            f"{listing}{more}\n"
+            f"    add a rule for it, e.g. Strategy(rules=[({name!r}, 'tensor')]) to split that dim like tensor "
+            f"parallelism, ({name!r}, 'fsdp') to shard it with FSDP, or ({name!r}, None) to keep it whole "
+            f"(composes: strategy=jl.strategies.FSDP() + Strategy(rules=...))"
+        )
+    if problems:
+        raise LayoutError(f"cannot place the model's {kind}s as annotated:\n" + "\n".join(problems))
+    return out
 
 
 def _keep_axes(spec: tuple, axes: tuple[str, ...]) -> tuple:
@@ -119,9 +202,20 @@ def _shards_params(mesh_shape: Mapping[str, int]) -> bool:
     return any(mesh_shape.get(a, 1) > 1 for a in ("fsdp", "tensor", "expert"))
 
 
-def check_tolerance(abstract: Mapping[str, Any], specs: Mapping[str, tuple], strategy: Strategy, mesh: Mesh) -> None:
+def check_tolerance(
+    abstract: Mapping[str, Any],
+    specs: Mapping[str, tuple],
+    strategy: Strategy,
+    mesh: Mesh,
+    annotations: Mapping[str, tuple] | None = None,
+) -> None:
     """Refuse a layout leaving more than ``strategy.tolerance`` of the shardable
-    parameter elements (those of at least ``min_shard`` elements) replicated."""
+    parameter elements (those of at least ``min_shard`` elements) replicated.
+
+    ``annotations`` (``{path: logical names}``) lets the error tell annotated
+    parameters (whose names the rules send to no axis that divides them) from
+    unannotated ones."""
+    annotations = annotations or {}
     mesh_shape = dict(mesh.shape)
     if not _shards_params(mesh_shape):
         return  # data parallel replicates by design
@@ -138,15 +232,169 @@ def check_tolerance(abstract: Mapping[str, Any], specs: Mapping[str, tuple], str
         return
     frac = sum(s for _, _, s in replicated) / total
     if frac > strategy.tolerance:
-        listing = "\n".join(f"  {p} {shape}" for p, shape, _ in sorted(replicated, key=lambda r: -r[2])[:20])
+        ordered = sorted(replicated, key=lambda r: -r[2])
+        listing = "\n".join(
+            f"  {p} {shape}" + (f" annotated {annotations[p]}" if p in annotations else "")
+            for p, shape, _ in ordered[:20]
+        )
         more = f"\n  ... and {len(replicated) - 20} more" if len(replicated) > 20 else ""
+        advice = []
+        if any(p not in annotations for p, _, _ in replicated):
+            advice.append(
+                "annotate the unannotated ones (nnx.with_partitioning / nn.with_logical_partitioning), or pick "
+                "axis sizes that divide their dimensions"
+            )
+        if any(p in annotations for p, _, _ in replicated):
+            advice.append(
+                "the annotated ones are annotated, but the rules send their names to no mesh axis of size > 1 "
+                "that divides their dimensions: change the rules (e.g. Strategy(rules=[('mlp', 'fsdp')])) or the "
+                "axis sizes"
+            )
         raise LayoutError(
             f"strategy {strategy.name!r} on mesh {_fmt_mesh(mesh_shape)} leaves {frac:.1%} of the "
             f"shardable parameter elements replicated (tolerance {strategy.tolerance:.1%}, min_shard "
             f"{strategy.min_shard}). Replicated parameters:\n{listing}{more}\n"
-            f"Annotate them with nnx.with_partitioning, change the rules, or pick axis sizes that "
-            f"divide their dimensions."
+            + "; ".join(a[0].upper() + a[1:] for a in advice)
+            + "."
         )
+
+
+def _fmt_bytes(n: float) -> str:
+    # summary.fmt_bytes's format; not imported so that summary.py may import this module
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _nbytes(arr: Any) -> int:
+    dtype = getattr(arr, "dtype", None)
+    itemsize = np.dtype(dtype).itemsize if dtype is not None else 4
+    return int(math.prod(getattr(arr, "shape", ()))) * itemsize
+
+
+def idle_axis_messages(
+    abstract: Mapping[str, Any],
+    specs: Mapping[str, tuple],
+    strategy: Strategy,
+    mesh: Mesh,
+    annotations: Mapping[str, tuple] | None = None,
+) -> list[str]:
+    """One message per mesh axis meant for parameters (:data:`PARAM_AXES`) of size > 1 that holds none.
+
+    Each names the axis, the largest parameters left off it and the fix (annotations for
+    ``tensor``/``expert``/``stage``, ``min_shard=`` for ``fsdp`` below the threshold). The trainer
+    warns with them (:class:`PlacementWarning`) when it places a model.
+    """
+    annotations = annotations or {}
+    mesh_shape = dict(mesh.shape)
+    used = {a for spec in specs.values() for a in _spec_axes(spec)}
+    allowed = set(PARAM_AXES) - set(strategy.param_forbidden_axes)
+    rules = strategy.logical_rules
+    biggest = sorted(abstract.items(), key=lambda kv: -_nbytes(kv[1]))
+    out: list[str] = []
+
+    def listing(n: int = 3) -> str:
+        return ", ".join(f"{p} {tuple(a.shape)}" for p, a in biggest[:n])
+
+    for axis in PARAM_AXES:
+        size = mesh_shape.get(axis, 1)
+        if size <= 1 or axis in used or axis not in allowed or not abstract:
+            continue
+        head = f"mesh axis {axis!r} (size {size}) holds no parameter bytes"
+        names = sorted({n for n, a in rules if a is not None and axis in ((a,) if isinstance(a, str) else a)})
+        if axis == "fsdp":
+            largest = max(math.prod(a.shape) for a in abstract.values())
+            if largest < strategy.min_shard:
+                fix = (
+                    f"every parameter is below min_shard={strategy.min_shard} elements (the largest: {listing()}), "
+                    f"so all stay replicated and the fsdp axis only splits the batch (data parallelism). To shard "
+                    f"them pass a lower threshold, e.g. FSDP(min_shard={max(1, largest // size)})"
+                )
+            else:
+                fix = (
+                    f"no dimension of the largest parameters ({listing()}) is divisible by {size}, and no "
+                    f"annotation sends one to fsdp; pick an fsdp size that divides them or annotate them"
+                )
+        elif axis == "tensor":
+            unannotated = [p for p, _ in biggest if p not in annotations]
+            what = "unannotated" if unannotated else "annotated with names the rules do not send to tensor"
+            fix = (
+                f"tensor parallelism splits only the dims annotations name with a logical name the rules send to "
+                f"tensor ({', '.join(names) or 'none'}); the largest parameters are {what}: {listing()}. Annotate "
+                f"them, e.g. nnx.with_partitioning(init, ('embed', 'mlp')) or nn.with_logical_partitioning(init, "
+                f"('embed', 'mlp')), or leave the tensor piece out"
+            )
+        elif axis == "expert":
+            fix = (
+                f"expert parallelism splits only dims annotated with {', '.join(repr(n) for n in names) or 'exp'}; "
+                f"the largest parameters are {listing()}. Annotate the experts' leading dim, e.g. ('exp', 'embed', "
+                f"'mlp')"
+            )
+        else:
+            fix = (
+                f"pipeline stages hold only parameters whose leading logical axis is 'layers' (jl.nn.LayerStack); "
+                f"the largest parameters are {listing()}"
+            )
+        out.append(f"strategy {strategy.name!r}: {head}: {fix}.")
+    return out
+
+
+def axis_split_bytes(params: Mapping[str, Any]) -> dict[str, int]:
+    """``{mesh axis: bytes of the parameters it splits}`` for placed parameters (arrays with a
+    ``NamedSharding``), every mesh axis of size > 1 included (0 for one that splits none).
+
+    The model summary's "bytes per axis" line; a parameter split over two axes counts for both.
+    """
+    out: dict[str, int] = {}
+    for arr in params.values():
+        sharding = getattr(arr, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        mesh = getattr(sharding, "mesh", None)
+        if spec is None or mesh is None:
+            continue
+        for axis, size in dict(mesh.shape).items():
+            if size > 1:
+                out.setdefault(axis, 0)
+        for axis in set(_spec_axes(tuple(spec))):
+            if dict(mesh.shape).get(axis, 1) > 1:
+                out[axis] = out.get(axis, 0) + _nbytes(arr)
+    return out
+
+
+def layout_summary_lines(params: Mapping[str, Any], variables: Mapping[str, Any] | None = None) -> list[str]:
+    """Lines for the model summary: the parameter bytes each mesh axis of size > 1 splits, and the
+    parameters annotated with fewer logical names than dimensions (trailing dims whole, as in flax).
+
+    ``params``: placed parameters by path; ``variables``: the NNX variables by the same paths (for their
+    annotations; ``Engine.parts.params.variables``), or None to leave the annotation line out.
+    """
+    lines: list[str] = []
+    split = axis_split_bytes(params)
+    total = sum(_nbytes(a) for a in params.values())
+    if split:
+        parts = [
+            f"{axis} {_fmt_bytes(n)} ({n / total:.0%})" if total else f"{axis} {_fmt_bytes(n)}"
+            for axis, n in split.items()
+        ]
+        lines.append(f"Param bytes split per mesh axis (of {_fmt_bytes(total)}): " + ", ".join(parts))
+    if variables:
+        partial = []
+        for path, arr in params.items():
+            var = variables.get(path)
+            names = logical_axes(var) if var is not None else None
+            shape = tuple(getattr(arr, "shape", ()))
+            if names is not None and len(names) < len(shape):
+                partial.append(f"{path} {shape} {tuple(names)}")
+        if partial:
+            more = f" ... and {len(partial) - 5} more" if len(partial) > 5 else ""
+            lines.append(
+                f"Partial-rank annotations ({len(partial)}; trailing dims whole, as flax does): "
+                + ", ".join(partial[:5])
+                + more
+            )
+    return lines
 
 
 def _fmt_mesh(mesh_shape: Mapping[str, int]) -> str:
@@ -180,11 +428,15 @@ def rest_specs(
     their annotations when present and are otherwise replicated: they are
     small, and every device needs the same RNG stream to agree on dropout."""
     rules = strategy.logical_rules
+    mesh_shape = dict(mesh.shape)
+    annotations = checked_annotations(
+        abstract, variables, rules, mesh_shape, strategy.param_forbidden_axes, kind="non-parameter variable"
+    )
     out: dict[str, tuple] = {}
     for path, arr in abstract.items():
-        names = logical_axes(variables[path]) if path in variables else None
+        names = annotations.get(path)
         shape = tuple(getattr(arr, "shape", ()))
-        out[path] = resolve_spec(names, shape, rules, dict(mesh.shape)) if names and shape else ()
+        out[path] = resolve_spec(names, shape, rules, mesh_shape) if names and shape else ()
     return out
 
 

@@ -69,9 +69,37 @@ def normalize_rules(rules: Rules | Mapping[str, MeshAxes] | None) -> Rules:
         axes_t = _as_tuple(axes)
         for a in axes_t:
             if a not in MESH_AXES:
-                raise ValueError(f"rule {name!r} -> {axes!r} names mesh axis {a!r}; mesh axes are {MESH_AXES}")
+                raise ValueError(
+                    f"rule {name!r} -> {axes!r} names mesh axis {a!r}; mesh axes are {MESH_AXES}. A table "
+                    f"written for a mesh of your own (flax's nn.logical_axis_rules with axes like 'model') "
+                    f"maps onto these six: e.g. ({name!r}, 'tensor') or ({name!r}, 'fsdp')"
+                )
         out.append((name, axes if axes is None or isinstance(axes, str) else tuple(axes)))
     return tuple(out)
+
+
+def rule_names(rules: Rules) -> frozenset[str]:
+    """The logical names a rules table gives candidates for (the names an annotation may use besides the
+    mesh axes themselves)."""
+    return frozenset(n for n, _ in rules)
+
+
+def pad_names(names: Sequence[str | None], shape: Sequence[int]) -> tuple[str | None, ...]:
+    """``names`` with one entry per dimension of ``shape``.
+
+    flax's rule for partial-rank annotations: fewer names than dimensions
+    name the leading dimensions and leave the trailing ones whole (flax's
+    ``MultiHeadDotProductAttention`` gives its 3-d kernels 2-name
+    annotations). More names than dimensions are an error.
+    """
+    names = tuple(names)
+    if len(names) > len(shape):
+        raise ValueError(
+            f"logical axes {names} name {len(names)} dims but the array has shape {tuple(shape)} "
+            f"({len(shape)} dims); fewer names than dims are fine (the trailing dims stay whole, as flax does), "
+            f"more are not"
+        )
+    return names + (None,) * (len(shape) - len(names))
 
 
 def override_rules(base: Rules, overrides: Rules | Mapping[str, MeshAxes]) -> Rules:
@@ -105,17 +133,23 @@ def resolve_spec(
     shard nothing); an explicit ``None`` candidate keeps the dimension whole.
     Size-1 mesh axes are dropped from the result (they shard nothing), so the
     spec is the same for every topology where it matters.
+
+    As in flax, fewer ``names`` than dimensions leave the trailing dimensions
+    whole (:func:`pad_names`), and a name no rule mentions that is one of
+    the six mesh axes (``"fsdp"``, ``"tensor"``...) stands for that axis.
+    A name that is neither resolves to whole here; the trainer refuses such
+    parameter annotations at setup (``placement.check_annotation``).
     """
-    if len(names) != len(shape):
-        raise ValueError(f"logical axes {tuple(names)} name {len(names)} dims but the array has shape {tuple(shape)}")
+    names = pad_names(names, shape)
     used: set[str] = set()
     spec: list = []
     for name, dim in zip(names, shape):
         chosen = None
         if name is not None:
-            for rule_name, axes in rules:
-                if rule_name != name:
-                    continue
+            candidates = [axes for rule_name, axes in rules if rule_name == name]
+            if not candidates and name in MESH_AXES:
+                candidates = [name]  # a mesh axis named directly (flax's nnx.with_partitioning convention)
+            for axes in candidates:
                 named_axes = _as_tuple(axes)
                 cand = tuple(a for a in named_axes if mesh_shape.get(a, 1) > 1)
                 if named_axes and not cand:
