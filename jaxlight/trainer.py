@@ -386,15 +386,8 @@ class Trainer(ConfigAttributes):
             self.reporter.log_hyperparams(model, self.datamodule)
             printed = any(isinstance(c, ModelSummary) for c in self.callbacks)  # the callback prints instead
             if self.enable_model_summary and self.is_global_zero and not printed:
-                assert self.train_state is not None
-                print(
-                    summarize(
-                        self.train_state.params,
-                        self.train_state.opt_state,
-                        self.mesh,
-                        variables=self.engine.parts.params.variables,
-                    )
-                )
+                st, variables = self.train_state, self.engine.parts.params.variables
+                print(summarize(st.params, st.opt_state, self.mesh, variables=variables))
             with self.engine.adopting_module_edits():  # Lightning users load weights in on_fit_start
                 self.call_hook("on_fit_start")
             FitLoop(self._loop_parts()).fit(train_loader, val_loaders)
