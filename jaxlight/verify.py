@@ -45,11 +45,13 @@ from jaxlight.datamodule import LightningDataModule
 from jaxlight.errors import MisconfigurationError
 from jaxlight.module import LightningModule
 from jaxlight.strategies.auto import Collectives, hlo_collectives
+from jaxlight.strategies.expert import has_experts
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import fmt_bytes, per_device_bytes
 
 __all__ = [
     "BUILTIN_STRATEGIES",
+    "EXPERT_STRATEGIES",
     "SAFETY",
     "LeafDelta",
     "StrategyResult",
@@ -72,6 +74,8 @@ BUILTIN_STRATEGIES: tuple[str, ...] = (
     "pp",
 )
 """What :func:`verify` runs by default (a strategy that refuses the model or batch is skipped, with why)."""
+EXPERT_STRATEGIES: tuple[str, ...] = ("ep", "fsdp+ep", "ep+tp")
+"""Run by default after :data:`BUILTIN_STRATEGIES` when the model has ``jaxlight.nn.MoE`` experts."""
 
 SAFETY = 8.0
 """Factor on the reduction-order rounding bound ``n * eps`` (covers the forward pass's own reductions,
@@ -320,6 +324,7 @@ class _Run(NamedTuple):
     params: dict[str, np.ndarray]
     dtypes: dict[str, np.dtype]  # the parameters' own dtypes
     result: StrategyResult
+    experts: bool = False  # the model has MoE experts (logical axis "exp")
 
 
 def _run(
@@ -375,7 +380,7 @@ def _run(
     result.collectives = hlo_collectives(compiled.as_text()) if compiled is not None else None
     result.compile_s = secs[0]
     losses = [float(x) for x in rec.losses]
-    return _Run(losses, grads, params, dtypes, result)
+    return _Run(losses, grads, params, dtypes, result, has_experts(module))
 
 
 def _is_first_grad(x: Any) -> bool:
@@ -662,6 +667,8 @@ def verify(
         raise MisconfigurationError(f"{label}: every gradient is zero at step 1 on one device; nothing to compare")
     tol = _tolerances(batches, ref, compute_dtype, lr, momentum, steps, rtol)
     results = [ref.result]
+    if strategies is None and ref.experts:
+        plan += [(s, s, False) for s in EXPERT_STRATEGIES]
     for name, strategy, explicit in plan:
         if strategy is None:
             results.append(StrategyResult(name, "skipped", reason=f"strategy {name!r} is not installed in this tree"))

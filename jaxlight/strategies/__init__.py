@@ -2,6 +2,7 @@
 wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`."""
 
 from jaxlight.strategies.auto import AutoStrategy, NoStrategyFits, choose_strategy
+from jaxlight.strategies.expert import ExpertParallel
 from jaxlight.strategies.offload import HostOffload
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.strategies.placement import LayoutError
@@ -43,6 +44,7 @@ __all__ = [
     "STRATEGY_REGISTRY",
     "CompositionError",
     "DataParallel",
+    "ExpertParallel",
     "Layout",
     "LayoutError",
     "Piece",
