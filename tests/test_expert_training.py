@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
-from jaxlight.strategies import ExpertParallel, PipelineParallel, SequenceParallel
+from jaxlight.strategies import FSDP, ExpertParallel, PipelineParallel, SequenceParallel
 from jaxlight.summary import per_device_bytes
 from tests.core_models import quiet
 from tests.expert_models import ExpertLM, Outputs, token_batches
@@ -324,3 +324,17 @@ def test_verify_runs_the_expert_strategies_for_an_moe_model(monkeypatch):
     assert [r.name for r in rows] == ["ep"] and rows[0].status == "ok", (rows[0].reason, rows[0].leaves[:3])
     assert rows[0].mesh == "expert=8" and rows[0].collectives.counts.get("all-to-all", 0) >= 4
     assert report.ok
+
+
+def test_ep_composes_by_string_and_object():
+    from jaxlight.strategies import resolve_strategy
+
+    mesh = lambda s: {a: n for a, n in resolve_strategy(s).mesh_shape(8).items() if n > 1}
+    assert mesh("ep") == {"expert": 8}
+    assert mesh("fsdp+ep") == mesh("ep+fsdp") == {"fsdp": 4, "expert": 2}
+    assert mesh("ep+tp") == {"data": 2, "tensor": 2, "expert": 2}
+    assert mesh(ExpertParallel(4) + FSDP()) == {"fsdp": 2, "expert": 4}
+    assert resolve_strategy("fsdp+ep") == FSDP() + ExpertParallel()
+    assert resolve_strategy("ep").rule_owner("exp") == "ep"
+    with pytest.raises(ValueError, match="ExpertParallel size must be a positive int, got 0"):
+        ExpertParallel(0)
