@@ -29,19 +29,18 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import contextlib  # noqa: E402
-import io  # noqa: E402
+import contextlib
+import io
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jaxlight as jl  # noqa: E402
-from benchmarks.common import time_compiled_steps  # noqa: E402
-from jaxlight.nn.moe import grouped_ffn  # noqa: E402
-from jaxlight.summary import fmt_bytes, per_device_bytes  # noqa: E402
-from tests.expert_models import ExpertLM, token_batches  # noqa: E402
+import jaxlight as jl
+from benchmarks.common import time_compiled_steps
+from jaxlight.nn.moe import grouped_ffn
+from jaxlight.summary import fmt_bytes, per_device_bytes
+from tests.expert_models import ExpertLM, token_batches
 
 _A2A = re.compile(r"=\s*(.+?)\s+all-to-all(?:-start)?\(")
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32)\[([\d,]*)\]")
@@ -73,13 +72,7 @@ def strategies_table(args) -> None:
     dims = dict(vocab=256, embed=args.embed, hidden=args.hidden)
     data = token_batches(2, args.batch, seq=args.seq + 1, vocab=256)
     tokens = args.batch * args.seq
-    configs = [
-        (s, e, k, c)
-        for e in (8, 16)
-        for k in (1, 2)
-        for c in (None, 1.25)
-        for s in ("ddp", "fsdp", "ep")
-    ]
+    configs = [(s, e, k, c) for e in (8, 16) for k in (1, 2) for c in (None, 1.25) for s in ("ddp", "fsdp", "ep")]
     trainers, rows = {}, {}
     t_start = time.perf_counter()
     for s, e, k, c in configs:
@@ -199,7 +192,8 @@ def dispatch_table(args) -> None:
             gates, idx = jax.lax.top_k(p, k)
             out = []
             for fn in (_sorted("blocks"), _sorted("ragged"), _dense):
-                step = jax.jit(jax.grad(lambda x, a, b, fn=fn: jnp.sum(fn(x, a, b, idx, gates) ** 2), argnums=(0, 1, 2)))
+                loss = lambda x, a, b, fn=fn, idx=idx, gates=gates: jnp.sum(fn(x, a, b, idx, gates) ** 2)
+                step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                 jax.block_until_ready(step(x, w_in, w_out))
                 best = np.inf
                 for _ in range(args.rounds):

@@ -78,6 +78,7 @@ ROUTER_NAMES = ("embed", None)
 """Logical axes of the router ``[features, experts]``."""
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
+MANUAL = jax.sharding.AxisType.Manual
 
 
 def _positive_int(name: str, v: Any) -> None:
@@ -187,9 +188,7 @@ class MoE(nnx.Module):
             raise ValueError(
                 f"MoE takes x [batch, length, features={self.features}], got shape {getattr(x, 'shape', None)}"
             )
-        cfg = _Config(
-            self.num_experts, self.top_k, self.capacity(int(x.shape[1])), self.activation, self.matmul, self.hidden
-        )
+        cfg = _Config(self.num_experts, self.top_k, self.capacity(int(x.shape[1])), self.activation, self.matmul)
         return moe_forward(cfg, x, self.router[...], self.w_in[...], self.w_out[...])
 
 
@@ -200,7 +199,6 @@ class _Config:
     capacity: int | None  # per expert and sequence; None: dropless
     activation: Callable[[jax.Array], jax.Array]
     matmul: str
-    hidden: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +229,7 @@ def moe_forward(
     tokens = int(x.shape[0]) * int(x.shape[1])
     active = active_axis_rules()
     context = jax.sharding.get_abstract_mesh()
-    nested = not context.empty and any(t == jax.sharding.AxisType.Manual for t in context.axis_types)
+    manual_now = [] if context.empty else [a for a, t in zip(context.axis_names, context.axis_types) if t == MANUAL]
     if active is None or active[0].size == 1:
         return _moe_body(cfg, _Layout(tokens=tokens), x, router, w_in, w_out)
     mesh, rules = active
@@ -241,11 +239,11 @@ def moe_forward(
     rows, seq = _axes(xspec[0]), _axes(xspec[1])
     ep = EXPERT_AXIS if _axes(wspec[0]) == (EXPERT_AXIS,) else None
     tp = TENSOR_AXIS if _axes(wspec[2]) == (TENSOR_AXIS,) else None
-    if nested:
+    if manual_now:  # inside another shard_map (a pipeline stage): its manual axes are already local
         if ep is not None:
             raise ValueError(
                 f"MoE under expert parallelism (expert={shape[EXPERT_AXIS]}) was called inside another shard_map "
-                f"(manual axes {[a for a, t in zip(context.axis_names, context.axis_types) if t == jax.sharding.AxisType.Manual]}); "
+                f"(manual axes {manual_now}); "
                 "its all-to-all shard_map over expert does not lower nested in another one on this jax (backward "
                 "pass): call it outside, or leave its experts unsplit"
             )
