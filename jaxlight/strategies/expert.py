@@ -126,9 +126,11 @@ def expert_params(params: Mapping[str, Any], variables: Mapping[str, Any]) -> di
 def has_experts(tree: Any) -> bool:
     """Whether any NNX variable reachable from ``tree`` (a module, or a LightningModule's attributes) has the
     logical axis ``"exp"``: whether ``"ep"`` has experts to split."""
-    modules = (
-        tree if isinstance(tree, nnx.Module) else {k: v for k, v in vars(tree).items() if isinstance(v, nnx.Module)}
-    )
+    if isinstance(tree, nnx.Module):
+        modules: Any = tree
+    else:
+        items = tree.items() if isinstance(tree, Mapping) else vars(tree).items()
+        modules = {k: v for k, v in items if isinstance(v, nnx.Module)}
     for _, node in nnx.iter_graph(modules):
         if isinstance(node, nnx.Variable) and EXP in (logical_axes(node) or ()):
             return True
