@@ -8,6 +8,7 @@ so the same script runs data parallel, FSDP or tensor parallel:
     python examples/gpt.py                                  # defaults: a few minutes on 2 CPU cores
     python examples/gpt.py --strategy fsdp --devices 8      # 8 simulated CPU devices
     python examples/gpt.py --strategy fsdp+tp --devices 8 --max-steps 50
+    python examples/gpt.py --moe 8 --strategy ep --devices 8 --max-steps 50   # 8 experts per block
 
 On CPU, ``--devices N`` > 1 makes XLA simulate N host devices (it sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts).
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--moe", type=int, default=0, metavar="E", help="E experts (top-2 jl.nn.MoE) per block; 0: dense")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (warmup + cosine decay)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=50)
@@ -84,6 +86,7 @@ from flax import nnx  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
 from examples.models import CausalTransformer, GPTConfig, random_windows, stdlib_bytes  # noqa: E402
+from examples.moe_models import MoETransformer  # noqa: E402
 
 
 class WindowLoader:
@@ -161,6 +164,7 @@ class GPT(jl.LightningModule):
         warmup_steps: int = 50,
         max_steps: int = 600,
         seed: int = 0,
+        moe: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -170,15 +174,20 @@ class GPT(jl.LightningModule):
         cfg = GPTConfig(
             d_model=hp.d_model, n_layers=hp.layers, n_heads=hp.heads, seq_len=hp.seq_len, dropout=hp.dropout
         )
-        self.net = CausalTransformer(cfg, nnx.Rngs(params=hp.seed, dropout=hp.seed + 1))
+        rngs = nnx.Rngs(params=hp.seed, dropout=hp.seed + 1)
+        self.net = MoETransformer(cfg, hp.moe, rngs) if hp.moe else CausalTransformer(cfg, rngs)
 
-    def _loss(self, batch):
+    def _loss(self, batch, aux_losses: bool = False):
         x, y = batch
-        logits = self.net(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+        logits, aux = self.net(x, return_aux=True) if self.hparams.moe else (self.net(x), None)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+        if aux is None or not aux_losses:
+            return loss
+        self.log("load_balance", aux["load_balance"])
+        return loss + 0.01 * aux["load_balance"] + 1e-3 * aux["router_z"]  # Switch / ST-MoE coefficients
 
     def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
+        loss = self._loss(batch, aux_losses=True)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -264,6 +273,7 @@ def train(args: argparse.Namespace) -> tuple[jl.Trainer, GPT, np.ndarray]:
         args.warmup_steps,
         args.max_steps,
         args.seed,
+        moe=args.moe,
     )
     history = LossHistory()
     trainer = jl.Trainer(

@@ -48,6 +48,7 @@ from jaxlight.module import LightningModule
 from jaxlight.optim import configure
 from jaxlight.precision import resolve_precision
 from jaxlight.rank_zero import rank_zero_info
+from jaxlight.strategies.expert import has_experts
 from jaxlight.strategies.placement import mirror_shardings
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import fmt_bytes, per_device_bytes
@@ -55,6 +56,7 @@ from jaxlight.trainer import Trainer
 
 __all__ = [
     "BUILTIN_STRATEGIES",
+    "EXPERT_STRATEGIES",
     "SAFETY",
     "LeafDelta",
     "StrategyResult",
@@ -77,6 +79,8 @@ BUILTIN_STRATEGIES: tuple[str, ...] = (
     "pp",
 )
 """What :func:`verify` runs by default (a strategy that refuses the model or batch is skipped, with why)."""
+EXPERT_STRATEGIES: tuple[str, ...] = ("ep", "fsdp+ep", "ep+tp")
+"""Run by default after :data:`BUILTIN_STRATEGIES` when the model has ``jaxlight.nn.MoE`` experts."""
 
 SAFETY = 8.0
 """Factor on the reduction-order rounding bound ``n * eps`` (covers the forward pass's own reductions,
@@ -325,6 +329,7 @@ class _Run(NamedTuple):
     params: dict[str, np.ndarray]
     dtypes: dict[str, np.dtype]  # the parameters' own dtypes
     result: StrategyResult
+    experts: bool = False  # the model has MoE experts (logical axis "exp")
 
 
 def _run(
@@ -378,7 +383,7 @@ def _run(
     result.collectives = hlo_collectives(compiled.as_text()) if compiled is not None else None
     result.compile_s = secs[0]
     losses = [float(x) for x in rec.losses]
-    return _Run(losses, grads, params, dtypes, result)
+    return _Run(losses, grads, params, dtypes, result, has_experts(module))
 
 
 def _is_first_grad(x: Any) -> bool:
@@ -658,6 +663,8 @@ def verify(
         raise MisconfigurationError(f"{label}: every gradient is zero at step 1 on one device; nothing to compare")
     tol = _tolerances(batches, ref, compute_dtype, lr, momentum, steps, rtol)
     results = [ref.result]
+    if strategies is None and ref.experts:
+        plan += [(s, s, False) for s in EXPERT_STRATEGIES]
     for name, strategy, explicit in plan:
         if strategy is None:
             results.append(StrategyResult(name, "skipped", reason=f"strategy {name!r} is not installed in this tree"))

@@ -27,6 +27,11 @@ def axis_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ctx.value = prev
 
 
+def active_axis_rules() -> tuple[Mesh, Rules] | None:
+    """The ``(mesh, rules)`` a trainer step is traced under (see :func:`axis_rules`), or None outside one."""
+    return getattr(_ctx, "value", None)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin activation ``x`` to the mesh axes its logical ``names`` map to.
 

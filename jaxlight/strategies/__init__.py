@@ -5,6 +5,7 @@ wrappers, trace contexts) composed with ``+`` into a :class:`Strategy`.
 above this package, so the planner is :mod:`jaxlight.planner` (``AutoStrategy``, ``choose_strategy``,
 ``NoStrategyFits``)."""
 
+from jaxlight.strategies.expert import ExpertParallel
 from jaxlight.strategies.offload import HostOffload
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.strategies.placement import LayoutError
@@ -43,6 +44,7 @@ __all__ = [
     "STRATEGY_REGISTRY",
     "CompositionError",
     "DataParallel",
+    "ExpertParallel",
     "Layout",
     "LayoutError",
     "Piece",

@@ -79,8 +79,9 @@ def param_specs(
     mesh_shape = dict(mesh.shape)
     forbidden = strategy.param_forbidden_axes
     # Axes a piece requires parameters on (pipeline stages) apply whatever the size: they are
-    # placement, not a memory optimisation the min_shard floor may skip.
-    required = tuple(a for a in PARAM_FORBIDDEN_AXES if a not in forbidden)
+    # placement, not a memory optimisation the min_shard floor may skip. So do experts: an MoE
+    # call computes only the experts of its device (expert parallelism).
+    required = tuple(a for a in PARAM_FORBIDDEN_AXES if a not in forbidden) + ("expert",)
     specs: dict[str, tuple] = {}
     annotations = checked_annotations(abstract, variables, rules, mesh_shape, forbidden)
     for path, arr in abstract.items():
@@ -199,7 +200,8 @@ def _check_forbidden(path: str, shape: tuple, names: tuple, rules: Rules, forbid
 
 
 def _shards_params(mesh_shape: Mapping[str, int]) -> bool:
-    return any(mesh_shape.get(a, 1) > 1 for a in ("fsdp", "tensor", "expert"))
+    # not expert: it splits experts only, and replicates every other parameter by design (as data does)
+    return any(mesh_shape.get(a, 1) > 1 for a in ("fsdp", "tensor"))
 
 
 def check_tolerance(
