@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.compat import variable_value_setter
 from jaxlight.errors import MisconfigurationError
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
@@ -196,9 +197,11 @@ class Engine:
             if slots is None:
                 nnx.update(current, parts.params.from_flat(params), parts.rest.from_flat(rest))
                 return
-            # the per-step path (a user's per-batch hook): set each variable's array, no graph walk
+            # the per-step path (a user's per-batch hook): set each variable's array, no graph walk and no
+            # per-variable trace check (the loop is on the host, outside any trace; compat says why)
+            set_value = variable_value_setter()
             for var, is_param, key in slots:
-                var.set_raw_value(params[key] if is_param else rest[key])
+                set_value(var, params[key] if is_param else rest[key])
             return
         for k, m in merge_models(parts, params, rest, train=True).items():
             object.__setattr__(module, k, m)
