@@ -559,7 +559,9 @@ def contenders(wl: Workload, steps: int, rounds: int, root: str, args) -> tuple[
         out.append(Jaxlight(wl, batches, epochs, os.path.join(root, wl.name, "jl32"), defaults=True, spe=multi))
     else:
         notes.append(f"jaxlight steps_per_execution={multi}: not built yet (issue 25 item 1), no row")
-    if not args.no_keras:
+    if not args.no_keras and not _importable("keras"):
+        notes.append("keras not installed: no Keras rows")
+    elif not args.no_keras:
         for spe in (1, multi):
             out.append(Keras(wl, batches, epochs, root, spe))
     if not args.no_torch:
@@ -689,6 +691,12 @@ def main() -> None:
                 rows, notes = run_workload(wl, steps, args.rounds, root, args)
             notes.append(f"{time.perf_counter() - t0:.0f} s for this workload")
             print(table(wl, steps, args.rounds, rows, notes, load), flush=True)
+
+
+def _importable(mod: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(mod) is not None
 
 
 def _version(mod: str) -> str:
