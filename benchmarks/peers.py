@@ -680,7 +680,8 @@ def main() -> None:
     print(
         f"jax {jax.__version__}, 1 {jax.devices()[0].platform} device, {os.cpu_count()} cores; "
         f"keras {'off' if args.no_keras else _version('keras')}, torch {'off' if args.no_torch else _version('torch')} "
-        f"({args.torch_threads} thread), pytorch_lightning {_version('pytorch_lightning')}"
+        f"({args.torch_threads} thread), pytorch_lightning {_version('pytorch_lightning')}; "
+        f"jaxlight from {os.path.dirname(os.path.dirname(os.path.abspath(jl.__file__)))}"
     )
     with tempfile.TemporaryDirectory() as root, busy_load(args.busy):
         for name in names:

@@ -444,9 +444,10 @@ class Prefetcher:
                 rows = batch_rows(jax.tree_util.tree_unflatten(treedef, leaves), i)
             if self.pad:
                 hb, valid = self._padded(jax.tree_util.tree_unflatten(treedef, leaves), rows, i)
-                grows = self.placer.global_rows(int(jax.tree.leaves(hb)[0].shape[0]))
+                pleaves, ptreedef = jax.tree_util.tree_flatten(hb)
+                grows = self.placer.global_rows(int(pleaves[0].shape[0]))
                 self.placer.check(grows, i)
-                yield Prefetched(i, self.placer.place(hb), grows, state, valid)
+                yield Prefetched(i, self.placer.place_flat(pleaves, ptreedef), grows, state, valid)
                 i += 1
                 continue
             grows = self.placer.global_rows(rows)

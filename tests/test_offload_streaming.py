@@ -99,7 +99,8 @@ def test_streamed_program_interleaves_fetches_updates_and_write_backs():
         operands = line.split("optimization_barrier")[1].split(":")[0].replace(",", " ").split()
         host = [o for o in operands if o.startswith("%arg")]
         assert 0 < len(host) < n_host, line
-        assert len(operands) - len(host) < n_params + n_host, line
+        # and some of the gradients (computed in the step, not arguments), never all of them
+        assert 0 < len(operands) - len(host) < n_params + n_host, line
 
     # the unstreamed step: one barrier, every fetch right after it, no write-back before the outputs
     at_once, _ = _fit(DataParallel() + HostOffload(), max_steps=1, accumulate=1)

@@ -278,15 +278,15 @@ def _run_streamed(update: UpdateFn, state: Any, grads: Any, aux: Any, plan: _Pla
     written: list[list[int]] = []  # per group: its written-back output indices
     for g, (idx, gidx) in enumerate(zip(plan.groups, plan.grads)):
         tie = written[g - 2] if g >= 2 else []
-        # the barrier's gradients feed this group's update, so jit keeps them as operands: the fetch waits
-        # for this group's gradients (not for the whole backward pass) and for group g-2's write-back
-        grads_in, host_in, tied = jax.lax.optimization_barrier(
+        # the fetch waits for this group's gradients (not for the whole backward pass) and for group g-2's
+        # write-back; the update reads the gradients themselves, so what every group computes from all of
+        # them (a global norm) stays one expression that XLA's common-subexpression pass merges
+        _, host_in, tied = jax.lax.optimization_barrier(
             ([flat[i] for i in gidx], [flat[i] for i in idx], [out[k] for k in tie])
         )
         for k, v in zip(tie, tied):
             out[k] = v
         fetched = {i: jax.device_put(x, plan.host[i].with_memory_kind("device")) for i, x in zip(idx, host_in)}
-        fetched.update(zip(gidx, grads_in))
         mine = run(fetched)
         done = []
         for k, src in enumerate(plan.source):
