@@ -27,8 +27,11 @@ stage env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, flax, optax, orbax.chec
 print(\"jax\", jax.__version__, \"flax\", flax.__version__, \"optax\", optax.__version__); print(jax.devices())'"
 # per-step overhead where a step is ~1 ms (issue 12), on the reference workload
 stage overhead 120 $PY benchmarks/overhead.py --rounds 12 --steps 20
-# host offload with a real PCIe link and a memory_analysis that counts host bytes
-stage offload 120 $PY benchmarks/offload.py
+# host offload with a real PCIe link and a memory_analysis that counts host bytes; its third row streams
+# the offloaded state in 8 groups (HostOffload(stream=8), issue 25: target <= 1.3x no offload)
+stage offload 180 $PY benchmarks/offload.py
+# jaxlight against the hand loop and Keras 3 (when installed) per tiny-MLP step (issue 25)
+stage peers_tiny 120 $PY benchmarks/peers.py --quick --workloads tiny --no-torch
 # per-step host overhead on the tiny MLP
 stage overhead_tiny 90 $PY benchmarks/overhead.py --tiny --no-lightning
 # the demo, end to end, on the GPU, in fp32 and bf16-mixed

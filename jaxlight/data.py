@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight import compat
 from jaxlight.errors import BatchError as BatchError  # its home is jaxlight.errors; this path keeps working
 from jaxlight.metrics import current_step_context, row_mask
 from jaxlight.strategies.placement import batch_axes_size, batch_spec
@@ -183,7 +184,7 @@ class BatchPlacer:
         self.partition = data_partition(mesh) if self.multiprocess else DataPartition(0, 1, 1, 0)
         self._rows_spec = batch_spec(mesh, 1)
         self._shardings: dict[tuple[str, tuple[int, ...]], NamedSharding] = {}
-        self._flat: dict[tuple, list[NamedSharding]] = {}  # batch signature -> every leaf's sharding
+        self._flat: dict[tuple, list[tuple[NamedSharding, Any]]] = {}  # batch signature -> (sharding, putter)s
 
     def sharding(self, ndim: int) -> NamedSharding:
         """Rows over the batch axes, other dims whole (what a leaf gets when no piece splits it)."""
@@ -240,18 +241,33 @@ class BatchPlacer:
     def place_flat(self, leaves: list[Any], treedef: Any) -> Any:
         """:meth:`place` for an already flattened host batch: the per-step fast path.
 
-        Shardings are looked up once per batch signature (structure, shapes, dtypes) and every leaf is
-        transferred by one batched ``jax.device_put``.
+        Shardings are looked up once per batch signature (structure, shapes, dtypes), and so is how each
+        leaf is transferred: a numpy leaf by :func:`jaxlight.compat.host_putter`, jax's own per-device
+        put with everything but the copy worked out once (``jax.device_put`` spends ~100 µs per leaf of
+        host time in its dispatch and ``jax.make_array_from_callback`` ~20, measured on jax 0.10.2 CPU:
+        on a tiny model more than the step itself); a leaf that is already a jax array (or of a dtype
+        jax narrows, such as float64) by ``jax.device_put``.
         """
         if self.multiprocess:
             return self.place(jax.tree_util.tree_unflatten(treedef, leaves))
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
-        shardings = self._flat.get(key)
-        if shardings is None:
+        plan = self._flat.get(key)
+        if plan is None:
             tree = jax.tree_util.tree_unflatten(treedef, leaves)
             paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-            shardings = self._flat[key] = [self.leaf_sharding(path, tuple(x.shape)) for path, x in zip(paths, leaves)]
-        return jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, shardings))
+            shardings = [self.leaf_sharding(path, tuple(x.shape)) for path, x in zip(paths, leaves)]
+            putters = [
+                compat.host_putter(tuple(x.shape), x.dtype, sh)
+                if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
+                else None
+                for x, sh in zip(leaves, shardings)
+            ]
+            plan = self._flat[key] = list(zip(shardings, putters))
+        placed = [
+            put(x) if put is not None and type(x) is np.ndarray else jax.device_put(x, sh)
+            for x, (sh, put) in zip(leaves, plan)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, placed)
 
     def place(self, batch: Any) -> Any:
         def put(path, x):
@@ -331,9 +347,25 @@ def batch_mask(batch: Any = None) -> jax.Array:
     return jnp.ones((int(leaves[0].shape[0]),), jnp.bool_)
 
 
+def reads_inline(loader: Any, placer: BatchPlacer, depth: int) -> bool:
+    """Whether the :class:`Prefetcher` reads each batch in the loop itself rather than on a thread.
+
+    With ``depth=0``, and for a list or tuple of ready batches on CPU devices: reading such a batch is
+    an index and placing it a host copy made by the same cores that run the step, so a reader thread has
+    nothing to overlap, and its queue hand-offs and its contention for the interpreter cost more per
+    step than the step of a small model (measured on 2 cores: issue 25). Loaders that do work per batch
+    (a torch ``DataLoader``, a generator), and accelerators, where the transfer of batch i+1 overlaps
+    step i, keep the thread.
+    """
+    if depth <= 0:
+        return True
+    return isinstance(loader, (list, tuple)) and placer.mesh.devices.flat[0].platform == "cpu"
+
+
 class Prefetcher:
-    """Reads, checks and places the next ``depth`` batches on a background thread (``depth=0``: inline,
-    each batch when the loop asks for it).
+    """Reads, checks and places the next ``depth`` batches on a background thread (``depth=0``, or an
+    in-memory list of batches on CPU devices: inline, each batch when the loop asks for it; see
+    :func:`reads_inline`).
 
     The transfer of batch i+1 runs while step i computes. ``loader_state``
     records the loader's own state after each batch, so a checkpoint saved
@@ -376,7 +408,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._inline: Iterator[Prefetched] | None = None
         self._thread: threading.Thread | None = None
-        if depth <= 0:  # no thread: each batch is read and placed when the loop asks for it
+        if reads_inline(loader, placer, depth):  # no thread: each batch is read and placed when the loop asks
             self._inline = self._produce()
             return
         self._q: queue.Queue = queue.Queue(maxsize=depth)
@@ -401,9 +433,10 @@ class Prefetcher:
                 rows = batch_rows(jax.tree_util.tree_unflatten(treedef, leaves), i)
             if self.pad:
                 hb, valid = self._padded(jax.tree_util.tree_unflatten(treedef, leaves), rows, i)
-                grows = self.placer.global_rows(int(jax.tree.leaves(hb)[0].shape[0]))
+                pleaves, ptreedef = jax.tree_util.tree_flatten(hb)
+                grows = self.placer.global_rows(int(pleaves[0].shape[0]))
                 self.placer.check(grows, i)
-                yield Prefetched(i, self.placer.place(hb), grows, state, valid)
+                yield Prefetched(i, self.placer.place_flat(pleaves, ptreedef), grows, state, valid)
                 i += 1
                 continue
             grows = self.placer.global_rows(rows)

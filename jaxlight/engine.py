@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.compat import variable_value_setter
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
 from jaxlight.hooks import names_parameter, takes_argument
@@ -197,9 +198,11 @@ class Engine:
             if slots is None:
                 nnx.update(current, parts.params.from_flat(params), parts.rest.from_flat(rest))
                 return
-            # the per-step path (a user's per-batch hook): set each variable's array, no graph walk
+            # the per-step path (a user's per-batch hook): set each variable's array, no graph walk and no
+            # per-variable trace check (the loop is on the host, outside any trace; compat says why)
+            set_value = variable_value_setter()
             for var, is_param, key in slots:
-                var.set_raw_value(params[key] if is_param else rest[key])
+                set_value(var, params[key] if is_param else rest[key])
             return
         for k, m in merge_models(parts, params, rest, train=True).items():
             object.__setattr__(module, k, m)

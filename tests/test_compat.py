@@ -40,3 +40,33 @@ def test_async_save_in_flight_sees_orbax_thread(tmp_path):
     mgr = ck._async_manager
     assert hasattr(mgr, "_thread"), "orbax AsyncCheckpointer._async_manager._thread moved"
     ck.close()
+
+
+def test_host_putter_gives_what_make_array_from_callback_gives():
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[:8])
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    for spec in (P(), P("a"), P("a", "b"), P(None, "b")):
+        sh = NamedSharding(mesh, spec)
+        put = compat.host_putter(x.shape, x.dtype, sh)
+        assert put is not None, "jax._src.interpreters.pxla.batched_device_put or core.update_aval_with_sharding moved"
+        got, want = put(x), jax.make_array_from_callback(x.shape, sh, x.__getitem__)
+        assert got.sharding == want.sharding and got.aval == want.aval and got.committed == want.committed
+        np.testing.assert_array_equal(np.asarray(got), x)
+        for a, b in zip(got.addressable_shards, want.addressable_shards):
+            assert a.device == b.device and a.index == b.index
+
+
+def test_variable_value_setter_points_a_variable_at_a_new_array():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    setter = compat.variable_value_setter()
+    v = nnx.Param(jnp.zeros(3))
+    new = jnp.ones(3)
+    setter(v, new)
+    assert v.get_raw_value() is new
+    assert setter is compat.variable_value_setter()  # made once

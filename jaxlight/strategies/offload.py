@@ -10,6 +10,20 @@ same update, and its out-shardings write them back to host memory; parameters
 never leave the device. Values are bit-identical to the same run without
 offload (8 CPU devices; on a GPU with ``Trainer(deterministic=True)``): only
 where the bytes live changes.
+
+``HostOffload(stream=N)`` streams the offloaded state instead: the leaves are
+split into N groups by the parameters they mirror (last layers first, the
+order the backward pass makes their gradients), and each group is fetched
+once its own gradients exist, updated, and written back to host memory in the
+step, the fetch of group i+2 ordered after the update of group i. The copies
+of one group can then run while another group updates (and while the backward
+pass still computes earlier layers' gradients), and at most about three groups
+of offloaded state are in device memory at once. Each group's update is the
+same traced update, cut down by jit's dead-code elimination to that group's
+outputs, so values stay bit-identical. It needs an update whose outputs each
+depend on one group's offloaded state (per-leaf optimizers such as Adam, with
+gradient clipping before them, EMA, gradient accumulation); otherwise (e.g. a
+clip of the updates after Adam) it warns and fetches everything at once.
 """
 
 from __future__ import annotations
@@ -19,6 +33,8 @@ import warnings
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxlight.strategies.strategy import Piece, UpdateFn, register_strategy
 
@@ -55,8 +71,11 @@ class HostOffload(Piece):
     optimizer_state: bool = True
     callback_state: bool = True
     ema: dataclasses.InitVar[bool | None] = None  # deprecated name of callback_state
+    stream: int = 0  # groups the offloaded state is streamed in (0 or 1: all fetched after the backward pass)
 
     def __post_init__(self, ema: bool | None) -> None:
+        if isinstance(self.stream, bool) or not isinstance(self.stream, int) or self.stream < 0:
+            raise ValueError(f"HostOffload(stream={self.stream!r}): the number of groups must be an int >= 0")
         if ema is not None:
             warnings.warn(
                 "HostOffload(ema=...) is deprecated: the flag covers every callback's in-step state, "
@@ -88,7 +107,198 @@ class HostOffload(Piece):
             )
             return update(state, grads, aux)
 
-        return fetch_then_update
+        if self.stream <= 1:
+            return fetch_then_update
+        groups = self.stream
+
+        def streamed_update(state: Any, grads: Any, aux: Any) -> Any:
+            plan = _stream_plan(update, state, grads, aux, shardings, groups)
+            if isinstance(plan, str):
+                warnings.warn(
+                    f"HostOffload(stream={groups}) fetches the offloaded state at once instead: {plan}", stacklevel=2
+                )
+                return fetch_then_update(state, grads, aux)
+            return _run_streamed(update, state, grads, aux, plan)
+
+        return streamed_update
+
+
+# ---------------------------------------------------------------------------------------- streaming
+@dataclasses.dataclass
+class _Plan:
+    """How one traced update is streamed: which flat inputs are host leaves, their groups, where outputs come from."""
+
+    in_tree: Any
+    out_tree: Any
+    host: dict[int, Any]  # flat input index -> its host sharding
+    groups: list[list[int]]  # per group, in stream order: flat input indices of its host leaves
+    grads: list[list[int]]  # per group: flat input indices of the gradients of the parameters it mirrors
+    source: list[int]  # per flat output: -1 (from the update with no offloaded input) or its group
+    write_back: dict[int, Any]  # flat output index -> host sharding it is written back to in the step
+
+
+def _mirror_key(path: tuple, shape: tuple, grads: dict) -> str | None:
+    """The parameter a state leaf mirrors: the innermost str key of its path naming a gradient of its shape
+    (the rule the engine places such leaves by)."""
+    for k in reversed(path):
+        key = getattr(k, "key", None)
+        if isinstance(key, str) and key in grads and tuple(jnp.shape(grads[key])) == shape:
+            return key
+    return None
+
+
+def _stream_plan(update: UpdateFn, state: Any, grads: Any, aux: Any, shardings: Any, n_groups: int) -> _Plan | str:
+    """The streaming plan of this update, or why it cannot be streamed (a sentence)."""
+    if not isinstance(grads, dict) or not grads:
+        return "the step has no gradients by parameter (manual optimization)"
+    flat, in_tree = jax.tree_util.tree_flatten_with_path((state, grads, aux))
+    n_state = len(jax.tree.leaves(state))
+    state_shardings = jax.tree.structure(state).flatten_up_to(shardings)
+    grad_index = {jax.tree_util.keystr(p[1:]): i for i, (p, _) in enumerate(flat) if p[0].idx == 1}
+    host: dict[int, Any] = {}
+    mirror: dict[int, str] = {}
+    for i, ((path, x), sh) in enumerate(zip(flat[:n_state], state_shardings)):
+        if getattr(sh, "memory_kind", None) in (None, "device"):
+            continue
+        key = _mirror_key(path, tuple(jnp.shape(x)), grads)
+        if key is None:
+            return f"state leaf {jax.tree_util.keystr(path)} is in host memory but mirrors no parameter"
+        host[i], mirror[i] = sh, key
+    if not host:
+        return "no state leaf is in host memory"
+    # groups: the parameters' modules, last first (the backward pass's order), cut into n_groups runs of about
+    # equal host bytes
+    modules: list[str] = []
+    for key in reversed(list(grads)):
+        mod = key.rsplit("/", 1)[0]
+        if not modules or modules[-1] != mod:
+            modules.append(mod)
+    nbytes = dict.fromkeys(modules, 0)
+    for i, key in mirror.items():
+        x = flat[i][1]
+        nbytes[key.rsplit("/", 1)[0]] += int(jnp.size(x)) * jnp.dtype(x.dtype).itemsize
+    modules = [m for m in modules if nbytes[m]]
+    target = sum(nbytes.values()) / max(1, min(n_groups, len(modules)))
+    group_of: dict[str, int] = {}
+    g, acc = 0, 0
+    for m in modules:
+        if acc >= target * (g + 1) and g + 1 < n_groups:
+            g += 1
+        group_of[m] = g
+        acc += nbytes[m]
+    count = g + 1
+    groups: list[list[int]] = [[] for _ in range(count)]
+    gkeys: list[set[str]] = [set() for _ in range(count)]
+    for i, key in mirror.items():
+        gi = group_of[key.rsplit("/", 1)[0]]
+        groups[gi].append(i)
+        gkeys[gi].add(key)
+    grads_of = [sorted(grad_index[jax.tree_util.keystr((jax.tree_util.DictKey(k),))] for k in ks) for ks in gkeys]
+    # which offloaded group each output depends on (read off the traced update)
+    xs = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
+
+    def flat_update(*leaves: Any) -> Any:
+        return update(*jax.tree_util.tree_unflatten(in_tree, leaves))
+
+    closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(*xs)
+    out_tree = jax.tree.structure(out_shape)
+    deps = _dependencies(closed)
+    group_bit = [sum(1 << i for i in idx) for idx in groups]
+    source = []
+    for k, d in enumerate(deps):
+        hit = [gi for gi, bits in enumerate(group_bit) if d & bits]
+        if len(hit) > 1:
+            return (
+                f"output {k} of the update depends on the offloaded state of {len(hit)} groups (an optimizer "
+                f"that mixes parameters after reading its state, e.g. a clip of the updates after the moments)"
+            )
+        source.append(hit[0] if hit else -1)
+    # outputs that are new values of host leaves go back to host memory in the step
+    write_back: dict[int, Any] = {}
+    out_state = out_shape[0] if isinstance(out_shape, tuple) and out_shape else None
+    if jax.tree.structure(out_state) == jax.tree.structure(state):
+        for i in host:
+            write_back[i] = host[i]  # the new state's leaf i is flat output i (the state comes first)
+    return _Plan(in_tree, out_tree, host, groups, grads_of, source, write_back)
+
+
+def _dependencies(closed: ClosedJaxpr) -> list[int]:
+    """Per output of ``closed``, the inputs it depends on (a bit mask over input positions)."""
+    return _deps(closed.jaxpr, [1 << i for i in range(len(closed.jaxpr.invars))])
+
+
+def _deps(jaxpr: Jaxpr, ins: list[int]) -> list[int]:
+    dep: dict[Any, int] = dict(zip(jaxpr.invars, ins))
+    read = lambda v: 0 if isinstance(v, Literal) else dep.get(v, 0)
+    for eqn in jaxpr.eqns:
+        args = [read(v) for v in eqn.invars]
+        outs = _eqn_deps(eqn, args)
+        for v, d in zip(eqn.outvars, outs):
+            dep[v] = d
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eqn_deps(eqn: Any, args: list[int]) -> list[int]:
+    """Dependencies of one equation's outputs: through the inner program of a call or a cond, else every
+    output on every input (conservative: a false dependency only turns streaming off)."""
+    n_out = len(eqn.outvars)
+    branches = eqn.params.get("branches")
+    if branches is not None and all(isinstance(b, ClosedJaxpr) for b in branches):
+        pred, ops = args[0], args[1:]
+        outs = [pred] * n_out
+        for b in branches:
+            if len(b.jaxpr.invars) != len(ops):
+                break
+            for j, d in enumerate(_deps(b.jaxpr, ops)):
+                outs[j] |= d
+        else:
+            return outs
+    for name in ("jaxpr", "call_jaxpr"):
+        inner = eqn.params.get(name)
+        inner = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+        if isinstance(inner, Jaxpr) and len(inner.invars) == len(args) and len(inner.outvars) == n_out:
+            return _deps(inner, args)
+    every = 0
+    for d in args:
+        every |= d
+    return [every] * n_out
+
+
+def _run_streamed(update: UpdateFn, state: Any, grads: Any, aux: Any, plan: _Plan) -> Any:
+    """One update per group on its fetched leaves (the other groups' leaves zeros that jit drops), in a
+    chain of optimization barriers: group i is fetched once its gradients exist and group i-2 is written back."""
+    flat = jax.tree.leaves((state, grads, aux))
+    placeholders = {i: jnp.zeros(jnp.shape(flat[i]), jnp.result_type(flat[i])) for i in plan.host}
+
+    def run(fetched: dict[int, Any]) -> list[Any]:
+        leaves = [fetched.get(i, placeholders.get(i, x)) for i, x in enumerate(flat)]
+        return jax.tree.leaves(update(*jax.tree_util.tree_unflatten(plan.in_tree, leaves)))
+
+    out: list[Any] = list(run({}))  # outputs that read no offloaded leaf (step counters, logged values)
+    written: list[list[int]] = []  # per group: its written-back output indices
+    for g, (idx, gidx) in enumerate(zip(plan.groups, plan.grads)):
+        tie = written[g - 2] if g >= 2 else []
+        # the fetch waits for this group's gradients (not for the whole backward pass) and for group g-2's
+        # write-back; the update reads the gradients themselves, so what every group computes from all of
+        # them (a global norm) stays one expression that XLA's common-subexpression pass merges
+        _, host_in, tied = jax.lax.optimization_barrier(
+            ([flat[i] for i in gidx], [flat[i] for i in idx], [out[k] for k in tie])
+        )
+        for k, v in zip(tie, tied):
+            out[k] = v
+        fetched = {i: jax.device_put(x, plan.host[i].with_memory_kind("device")) for i, x in zip(idx, host_in)}
+        mine = run(fetched)
+        done = []
+        for k, src in enumerate(plan.source):
+            if src != g:
+                continue
+            if k in plan.write_back:
+                out[k] = jax.device_put(mine[k], plan.write_back[k])
+                done.append(k)
+            else:
+                out[k] = mine[k]
+        written.append(done)
+    return jax.tree_util.tree_unflatten(plan.out_tree, out)
 
 
 register_strategy("offload", HostOffload)
