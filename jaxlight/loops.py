@@ -523,7 +523,7 @@ class FitLoop:
                     ahead.push(outputs["loss"])
                     stepped = pos.advance(idx, item.loader_state, k, bool(flush))
                     total_batches += 1
-                    reporter.on_train_step(logs)
+                    reporter.on_train_step(logs, outputs["loss"])
                     if sync_end:
                         engine.sync_module()
                     hooks.call("on_train_batch_end", outputs, batch, idx)

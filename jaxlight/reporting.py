@@ -22,11 +22,13 @@ import numpy as np
 
 from jaxlight.loggers.logger import LoggerCollection
 from jaxlight.metrics import DATALOADER_SUFFIX, Collector, LogSpec, MetricStore, to_host
+from jaxlight.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
 
 _STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+_LOSS = "\x00loss"  # the train step's loss among the values publish_step fetches (no logged name has a NUL)
 _SUFFIX_MARK = DATALOADER_SUFFIX.split("{")[0]
 
 
@@ -65,6 +67,8 @@ class MetricReporter:
         self._eval_rows: list[tuple[int, dict[str, Any], dict[str, Any]]] = []  # (step, logger row, bar values)
         self._loader_of: dict[str, int] = {}  # store key -> the evaluation loader it was logged under
         self._logged_loader: dict[str, int | None] = {}  # logged epoch name -> that loader (None: outside any)
+        self._step_loss: Any = None  # the latest train step's loss (by reference), checked at the log cadence
+        self._loss_warned = False
 
     def store(self, stage: str) -> MetricStore:
         return self.stores.setdefault(stage, MetricStore())
@@ -103,9 +107,10 @@ class MetricReporter:
             self.callback_metrics[k] = v
 
     # -- per step (no sync) ---------------------------------------------------------
-    def on_train_step(self, logs: Mapping[str, Any]) -> None:
+    def on_train_step(self, logs: Mapping[str, Any], loss: Any = None) -> None:
         """Record one train step's logged values (device arrays, by reference) as the latest callback and
-        logged metrics."""
+        logged metrics, and its ``loss`` (checked for NaN/Inf by :meth:`publish_step`)."""
+        self._step_loss = loss
         store = self.store("train")
         store.update(logs)
         for k, v in store.step_values.items():
@@ -171,13 +176,16 @@ class MetricReporter:
     def publish_step(self) -> None:
         """Fetch the last train step's values: progress bar and loggers (every ``log_every_n_steps``)."""
         store = self.stores.get("train")
-        if store is None:
-            return
-        vals = {k: v for k, v in store.step_values.items() if store.specs[k].on_step}
+        vals = {k: v for k, v in store.step_values.items() if store.specs[k].on_step} if store is not None else {}
+        if self._step_loss is not None and not self._loss_warned:  # fetched with the values: no extra sync
+            vals[_LOSS] = self._step_loss
         if not vals:
             return
+        fetched = to_host(vals)
+        if _LOSS in fetched:
+            self._check_loss(fetched.pop(_LOSS))
         logged = {}
-        for k, v in to_host(vals).items():
+        for k, v in fetched.items():
             spec = store.specs[k]
             name = _name(spec, k, "step")
             if spec.prog_bar:
@@ -185,6 +193,21 @@ class MetricReporter:
             if spec.logger:
                 logged[name] = v
         self.send(logged)
+
+    def _check_loss(self, loss: float) -> None:
+        """Warn once per run at the first non-finite training loss seen at the log cadence (unless a callback
+        already skips such updates, and says so itself)."""
+        trainer = self._trainer
+        if np.isfinite(loss) or any(cb.skip_nonfinite_updates for cb in trainer.callbacks):
+            return
+        self._loss_warned = True
+        every = trainer.log_every_n_steps
+        rank_zero_warn(
+            f"jaxlight: the training loss is {loss} at step {trainer.global_step - 1} (checked every "
+            f"log_every_n_steps={every} steps, so it may have turned non-finite up to {every - 1} steps earlier); "
+            f"training goes on with it. ModelCheckpoint keeps its finite checkpoints (save_non_finite=False); "
+            f"NonFiniteGuard(action='stop' or 'skip') stops the run or skips such updates"
+        )
 
     def refresh_progress_bar(self) -> None:
         """At epoch end, show the last step's progress-bar values even between logging steps."""
@@ -289,6 +312,7 @@ class MetricReporter:
         for store in self.stores.values():  # values go, the flags registered by compiled steps stay
             store.reset_epoch()
         self._host_col = None
+        self._step_loss, self._loss_warned = None, False
         self.reset_eval_counts()
 
     def clear_views(self) -> None:

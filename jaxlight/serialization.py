@@ -95,6 +95,18 @@ _ML_DTYPES = frozenset(
 )
 _NUMERIC_DTYPES = _ORBAX_DTYPES | _ML_DTYPES
 _STR_DTYPE = re.compile(r"[<>|=]?[US][0-9]{1,9}")
+# The torch dtypes a checkpoint may name, by the name torch prints (and its aliases). A tag is looked up on the
+# torch module only when its name is listed here: any other attribute lookup on torch may import a submodule
+# (torch loads ``torch._dynamo`` and others lazily on attribute access), which opening a file must never do.
+_TORCH_DTYPES = frozenset(
+    ["bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"]
+    + ["float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128"]
+    + ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"]
+    + ["qint8", "qint32", "quint8", "quint4x2", "quint2x4"]
+    + ["half", "float", "double", "short", "int", "long", "cfloat", "cdouble", "chalf"]
+)
+#: The PRNG implementations a stored key may name (jax registers them under these names).
+KEY_IMPLS = ("threefry2x32", "threefry4x32", "philox2x32", "philox4x32", "rbg", "unsafe_rbg")
 _PATH_CLASSES = ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "WindowsPath")
 
 
@@ -251,8 +263,8 @@ class _Encoder:
 
         if isinstance(x, torch.dtype):
             name = str(x).removeprefix("torch.")
-            if getattr(torch, name, None) is not x:
-                raise EncodeError(path, f"torch dtype {x}", "not reachable as torch.<name>")
+            if name not in _TORCH_DTYPES or getattr(torch, name, None) is not x:
+                raise EncodeError(path, f"torch dtype {x}", "not one of the torch dtypes a checkpoint may hold")
             return {TAG: "torch.dtype", "name": name}
         if type(x) is not torch.Tensor:
             raise EncodeError(path, _type_name(x), "only plain torch.Tensor is supported")
@@ -275,6 +287,8 @@ class _Encoder:
         extra = {}
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             extra["key_impl"] = str(jax.random.key_impl(x))
+            if extra["key_impl"] not in KEY_IMPLS:
+                raise EncodeError(path, f"PRNG key of implementation {extra['key_impl']!r}", f"not one of {KEY_IMPLS}")
             x = jax.random.key_data(x)
         if not (x.is_fully_addressable or x.is_fully_replicated):
             raise EncodeError(
@@ -451,13 +465,15 @@ class _Decoder:
 
     def _torch_dtype(self, d: dict, path: str) -> Any:
         name = self._want(d["name"], (str,), "name", path)
+        if name not in _TORCH_DTYPES:  # checked before torch is touched (see _TORCH_DTYPES)
+            raise DecodeError(path, f"torch has no dtype {name!r} that a checkpoint may hold")
         if not self.convert:
             return None
         import torch
 
-        obj = getattr(torch, name, None) if re.fullmatch(r"[a-z0-9_]+", name) else None
+        obj = getattr(torch, name, None)
         if not isinstance(obj, torch.dtype):
-            raise DecodeError(path, f"torch has no dtype {name!r}")
+            raise DecodeError(path, f"this torch has no dtype {name!r}")
         return obj
 
     def _pathlib_Path(self, d: dict, path: str) -> pathlib.PurePath:
@@ -498,8 +514,8 @@ class _Decoder:
             if self.load is None:
                 raise DecodeError(path, f"array refers to stored array {ref!r} but no stored arrays were given")
             a = self.load(ref, dt, shape, path)
-        if "key_impl" in d:
-            self._want(d["key_impl"], (str,), "key_impl", path)
+        if "key_impl" in d and self._want(d["key_impl"], (str,), "key_impl", path) not in KEY_IMPLS:
+            raise DecodeError(path, f"PRNG implementation {d['key_impl']!r} is not one of {KEY_IMPLS}")
         if not self.convert:
             return None
         if tag == "torch.Tensor":
@@ -599,6 +615,7 @@ def plain(value: Any, max_elements: int = 64) -> Any:
 
 __all__ = [
     "INLINE_ARRAY_BYTES",
+    "KEY_IMPLS",
     "SUPPORTED",
     "TAG",
     "TAGS",

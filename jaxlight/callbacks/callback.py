@@ -49,7 +49,9 @@ class Callback:
     - :meth:`eval_params`: other weights to evaluate with (EMA);
     - :meth:`wait_until_finished`: block until background work (async
       checkpoint commits) is done; the trainer calls it after fit and before a
-      preemption exit.
+      preemption exit;
+    - :meth:`check_state_dict`: refuse a saved state that :meth:`load_state_dict`
+      could not take, before a resume loads anything.
     """
 
     needs_grad_norm: bool = False
@@ -145,6 +147,12 @@ class Callback:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise ``ValueError`` or ``TypeError`` naming the key when ``state_dict`` (as read from a checkpoint,
+        which may come from anyone) is not one :meth:`load_state_dict` can take. Called on resume before any
+        array is read into the trainer; the trainer turns the error into a ``CheckpointError`` naming the file.
+        Nothing is checked by default."""
 
     # in-step state (jaxlight extension)
     def step_extension(self, trainer: Trainer) -> StepExtension | None:

@@ -23,8 +23,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
-from jaxlight.checkpoint import publish
-from jaxlight.checkpoint.run_state import save_checkpoint
+from jaxlight.checkpoint import dirlock, publish
+from jaxlight.checkpoint.discovery import check_filename, next_commit_seq, not_own_checkpoint
+from jaxlight.checkpoint.format import disk_full_error
+from jaxlight.checkpoint.run_state import checkpoint_bytes, save_checkpoint
+from jaxlight.checkpoint.schema import check_checkpoint_callback_state
+from jaxlight.errors import CheckpointError, MisconfigurationError
 from jaxlight.rank_zero import WarnOnce, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,6 +75,25 @@ class ModelCheckpoint(Callback):
     resolves to the newest complete checkpoint. ``best_model_path``,
     ``best_model_score``, ``best_k_models``, ``kth_best_model_path`` and
     ``last_model_path`` are kept as in Lightning and restored on resume.
+
+    Beyond Lightning (docs/checkpointing.md, "ModelCheckpoint" and "What a shared checkpoint can and cannot do"):
+
+    - ``save_non_finite=False`` (default): a state whose training loss (the loss
+      ``training_step`` returned at the step being saved) or monitored value is
+      NaN or infinite is not saved, into the top k or ``last``, so a run that
+      diverges keeps its finite checkpoints; a warning says so once. ``True``
+      saves such states like any other (a NaN score ranks worst).
+    - At fit start the directory must be writable, and it is locked for this
+      run (:mod:`jaxlight.checkpoint.dirlock`): a second live run on the same
+      directory is refused, naming the first.
+    - A resume removes only checkpoints it can prove are this callback's: the
+      paths a checkpoint's saved state names are kept and forgotten (with a
+      warning) unless each is a complete jaxlight checkpoint ``*.ckpt`` directly
+      in ``dirpath``.
+    - ``filename`` may not contain ``/`` or ``..`` (checkpoints live directly in
+      ``dirpath``, where top-k and ``ckpt_path="last"`` look); nor may a metric
+      name that ``auto_insert_metric_name`` inserts (``{val/loss}``): that is
+      refused at fit start.
     """
 
     CHECKPOINT_JOIN_CHAR = "-"
@@ -98,6 +121,7 @@ class ModelCheckpoint(Callback):
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
         async_save: bool = True,
+        save_non_finite: bool = False,
     ) -> None:
         if save_last not in (None, True, False, "link"):
             raise ValueError(f"save_last={save_last!r}; choose None, False, True (a copy) or 'link' (a symlink)")
@@ -120,6 +144,7 @@ class ModelCheckpoint(Callback):
             )
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ValueError(f"train_time_interval must be a datetime.timedelta, got {train_time_interval!r}")
+        check_filename(filename)
         self.dirpath: str | None = os.path.abspath(os.fspath(dirpath)) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
@@ -137,6 +162,7 @@ class ModelCheckpoint(Callback):
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._enable_version_counter = enable_version_counter
         self.async_save = async_save
+        self.save_non_finite = save_non_finite
 
         self.best_k_models: dict[str, float] = {}
         self.kth_best_model_path = ""
@@ -163,6 +189,11 @@ class ModelCheckpoint(Callback):
         self._token_base = f"{os.getpid()}-"
         self._token_count = 0
         self._warn = WarnOnce()
+        self._lock: dirlock.DirLock | None = None  # this run's hold on dirpath (process 0, during fit)
+        self._owned: set[str] = set()  # paths a restored state named, checked to be this callback's checkpoints
+        self._step_loss: Any = None  # the loss of the latest train step (a device array, fetched only to save)
+        self._commit_seq: int | None = None  # the next save's commit sequence number (set at the first save)
+        self._inflight: tuple[str, int] = ("", 0)  # the newest save's path and size, for a disk-full message
 
     # ------------------------------------------------------------------ identity
     @property
@@ -204,10 +235,56 @@ class ModelCheckpoint(Callback):
             key = f"jaxlight/ckpt_dirpath/{ModelCheckpoint._dirpath_exchanges}"
             self.dirpath = distributed.broadcast_str(self._default_dirpath(trainer), key)
         self._publisher.active = trainer.is_global_zero
-        if trainer.is_global_zero and stage == "fit":
+        if stage != "fit":
+            return
+        self._check_names()
+        self._take_directory(trainer)  # before anything is read or repaired there, and before any compile
+        if trainer.is_global_zero:
             self._repair(self.dirpath)
-            if self.save_top_k != 0 and os.path.isdir(self.dirpath) and os.listdir(self.dirpath):
+            entries = [n for n in os.listdir(self.dirpath) if n != dirlock.INNER_LOCK]
+            if self.save_top_k != 0 and entries:
                 rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
+
+    def _take_directory(self, trainer: Trainer) -> None:
+        """Process 0 locks ``dirpath`` for this run (which also proves it writable); if it cannot, every
+        process raises, so none is left waiting in a later collective."""
+        assert self.dirpath is not None
+        error: CheckpointError | None = None
+        if trainer.is_global_zero and self._lock is None:
+            try:
+                self._lock = dirlock.acquire(self.dirpath, type(self).__name__)
+            except CheckpointError as e:
+                error = e
+        failed = distributed.processes_where(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"checkpoint directory {self.dirpath} could not be taken by process 0 (its error says why)"
+            )
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def _check_names(self) -> None:
+        """The names this callback will write lie directly in ``dirpath`` (a metric name inserted by
+        ``auto_insert_metric_name`` may carry a "/")."""
+        names = {n[1:] for n in re.findall(r"(\{.*?)[:\}]", self.filename or "")}
+        try:
+            sample = self.format_checkpoint_name(dict.fromkeys(names, 0) | {"epoch": 0, "step": 0})
+        except (ValueError, KeyError, IndexError):  # a format spec a number does not take: found at the save
+            return
+        if os.path.dirname(sample) != self.dirpath:
+            slashed = sorted(n for n in names if "/" in n)
+            raise MisconfigurationError(
+                f"ModelCheckpoint(filename={self.filename!r}) would write checkpoints such as "
+                f"{os.path.relpath(sample, self.dirpath)!r}, in a subdirectory of {self.dirpath} where top-k and "
+                f"ckpt_path='last' do not look: auto_insert_metric_name inserts the metric name{'s' if len(slashed) > 1 else ''} "
+                f"{', '.join(map(repr, slashed))} with its '/'. Pass auto_insert_metric_name=False with a filename "
+                f"such as '{{epoch}}-val_loss={{val/loss:.3f}}', or log the metric under a name without '/'"
+            )
 
     def _default_dirpath(self, trainer: Trainer) -> str:
         if trainer.loggers:
@@ -249,11 +326,13 @@ class ModelCheckpoint(Callback):
             removals, self._restored_removals = self._restored_removals, []
             keep = set(self.best_k_models) | {self.best_model_path, self._last_checkpoint_saved, self._extra_path}
             keep |= {self.last_model_path, self._resume_path(trainer)}
-            gone = [p for p in removals if p not in keep and self._in_dirpath(p)]
+            gone = [p for p in removals if p not in keep and self._in_dirpath(p) and self._may_remove(p)]
             if gone:
                 self._publisher.submit(publish.Plan(self._token(), removals=gone))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # kept by reference (no sync): fetched only when a save is decided, which syncs anyway
+        self._step_loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
         skip_due_to_state = self._should_skip_saving_checkpoint(trainer)
         skip_batch = self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps != 0
         skip_time = True
@@ -268,6 +347,13 @@ class ModelCheckpoint(Callback):
             self._last_time_checked = now
         candidates = self._monitor_candidates(trainer)
         if self.monitor is not None and self.monitor not in candidates:
+            if self.save_top_k != 0 and not self._validation_runs(trainer):
+                # the earliest point this can be known: the train step's logged keys exist once it has run
+                raise self._missing_monitor(
+                    trainer,
+                    "; validation does not run in this fit (no val dataloader, or limit_val_batches=0), so a value "
+                    "logged only in validation never arrives and every_n_train_steps would save nothing",
+                )
             # a validation-only metric: save once validation has produced it
             self._defer_save_until_validation = True
             return
@@ -279,7 +365,7 @@ class ModelCheckpoint(Callback):
             if last_batch and will_validate:  # the monitored value is about to be refreshed
                 self._defer_save_until_validation = True
                 return
-        if skip_due_to_state:
+        if skip_due_to_state or self._skip_non_finite(trainer, candidates):
             return
         self._begin()
         self._save_topk_checkpoint(trainer, candidates)
@@ -295,6 +381,10 @@ class ModelCheckpoint(Callback):
             return
         if self._defer_save_until_validation:
             candidates = self._monitor_candidates(trainer)
+            if self.monitor is not None and self.monitor not in candidates and self.save_top_k != 0:
+                raise self._missing_monitor(trainer)
+            if self._skip_non_finite(trainer, candidates):
+                return
             self._begin()
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
@@ -305,6 +395,8 @@ class ModelCheckpoint(Callback):
 
     def _epoch_trigger(self, trainer: Trainer) -> None:
         candidates = self._monitor_candidates(trainer)
+        if self._skip_non_finite(trainer, candidates):
+            return
         self._begin()
         if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
             self._save_topk_checkpoint(trainer, candidates)
@@ -318,8 +410,11 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         """Lightning: with ``save_last`` and nothing saved in the whole fit, ``last`` is written at the end."""
         if self.save_last and not self._last_checkpoint_saved and not trainer.fast_dev_run:
+            candidates = self._monitor_candidates(trainer)
+            if self._skip_non_finite(trainer, candidates):
+                return
             self._begin()
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._save_last_checkpoint(trainer, candidates)
             self._commit(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
@@ -327,7 +422,56 @@ class ModelCheckpoint(Callback):
         self.wait_until_finished()
 
     def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        self.wait_until_finished()
+        try:
+            self.wait_until_finished()
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------------ what is not saved
+    def _validation_runs(self, trainer: Trainer) -> bool:
+        """Whether this fit validates at all (``num_val_batches`` is known only once validation ran)."""
+        return trainer.val_dataloaders is not None and trainer.limit_val_batches != 0
+
+    def _missing_monitor(self, trainer: Trainer, why: str = "") -> MisconfigurationError:
+        """Lightning's error for a monitored key that was not logged, naming the keys that were."""
+        return MisconfigurationError(
+            f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored key in the logged "
+            f"metrics: {sorted(trainer.callback_metrics)}{why}. HINT: did you call self.log({self.monitor!r}, "
+            f"value) in the LightningModule?"
+        )
+
+    def _loss_value(self) -> float | None:
+        loss, self._step_loss = self._step_loss, None
+        if loss is None:
+            return None
+        try:
+            return float(loss)
+        except (TypeError, ValueError, RuntimeError):  # not a scalar this process can read: not judged
+            return None
+
+    def _skip_non_finite(self, trainer: Trainer, candidates: Mapping[str, Any]) -> bool:
+        """Whether the state about to be saved is not saved because it is non-finite (``save_non_finite``): its
+        step's training loss or its monitored value is NaN or infinite. The decision is the same on every
+        process (the loss and the metrics are the same everywhere)."""
+        loss = self._loss_value()
+        if self.save_non_finite:
+            return False
+        bad = []
+        if loss is not None and not math.isfinite(loss):
+            bad.append(f"the training loss is {loss}")
+        score = candidates.get(self.monitor) if self.monitor is not None else None
+        if score is not None and not math.isfinite(score):
+            bad.append(f"{self.monitor}={score}")
+        if not bad:
+            return False
+        self._warn(
+            ("non-finite",),
+            f"ModelCheckpoint: not saving global step {trainer.global_step}: {' and '.join(bad)}. The finite "
+            f"checkpoints saved so far are kept (top-k and last); later non-finite states are not saved either "
+            f"(not reported again). Pass ModelCheckpoint(save_non_finite=True) to save them, or use "
+            f"NonFiniteGuard to stop or skip such steps",
+        )
+        return True
 
     # ------------------------------------------------------------------ names
     @classmethod
@@ -410,15 +554,8 @@ class ModelCheckpoint(Callback):
         if self.save_top_k == 0:
             return
         if self.monitor is not None:
-            if self.monitor not in candidates:
-                msg = (
-                    f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored key in the logged "
-                    f"metrics: {sorted(trainer.callback_metrics)}. HINT: did you call self.log({self.monitor!r}, "
-                    f"value) in the LightningModule?"
-                )
-                if trainer.num_val_batches and trainer.limit_val_batches != 0:
-                    raise ValueError(msg)
-                self._warn(("monitor", self.monitor), msg)
+            if self.monitor not in candidates:  # the first save without it: say so now, not never
+                raise self._missing_monitor(trainer)
             self._save_monitor_checkpoint(trainer, candidates)
         else:
             self._save_none_monitor_checkpoint(trainer, candidates)
@@ -494,10 +631,14 @@ class ModelCheckpoint(Callback):
     def _in_dirpath(self, path: str) -> bool:
         return self.dirpath is not None and os.path.dirname(os.path.abspath(path)) == self.dirpath
 
+    def _may_remove(self, path: str) -> bool:
+        """Only what this run published, or a restored path checked to be this callback's checkpoint."""
+        return self._virtual.get(path, False) or os.path.normpath(path) in self._owned
+
     def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
         """Lightning's rule: never the file just written, one outside ``dirpath``, or the one resumed from
         (unless that was a ``last`` checkpoint, which later saves replace)."""
-        if previous == current or not self._in_dirpath(previous):
+        if previous == current or not self._in_dirpath(previous) or not self._may_remove(previous):
             return False
         resume = self._resume_path(trainer)
         if not resume or os.path.basename(resume).startswith(self.CHECKPOINT_NAME_LAST):
@@ -577,8 +718,20 @@ class ModelCheckpoint(Callback):
             self._checkpointer = publish.publishing_checkpointer(self.async_save, self._publisher)
         if trainer.is_global_zero:
             os.makedirs(os.path.dirname(filepath), exist_ok=True)
+        # orbax waits for the previous save before it starts this one; waiting here first lets a failure of
+        # that save (a full disk) be reported with its own path and size
+        self.wait_until_finished()
+        if self._commit_seq is None:
+            self._commit_seq = next_commit_seq(os.path.dirname(filepath))
+        seq, self._commit_seq = self._commit_seq, self._commit_seq + 1
+        self._inflight = (filepath, checkpoint_bytes(trainer, self.save_weights_only))
         save_checkpoint(
-            trainer, filepath, weights_only=self.save_weights_only, checkpointer=self._checkpointer, reason=reason
+            trainer,
+            filepath,
+            weights_only=self.save_weights_only,
+            checkpointer=self._checkpointer,
+            reason=reason,
+            commit_seq=seq,
         )
         if sync or not self.async_save:
             self.wait_until_finished()
@@ -590,8 +743,11 @@ class ModelCheckpoint(Callback):
             try:
                 ck.wait_until_finished()
                 ck.check_for_errors()
-            except BaseException:
+            except BaseException as e:
                 self._publisher.abandon()
+                full = disk_full_error(e, *self._inflight) if isinstance(e, Exception) else None
+                if full is not None:  # orbax's RESOURCE_EXHAUSTED, said with the directory and the size
+                    raise full from e
                 raise
 
     def save_now(self, trainer: Trainer, reason: str = "preemption") -> str | None:
@@ -606,6 +762,9 @@ class ModelCheckpoint(Callback):
             self.wait_until_finished()
             return self._newest_path
         candidates = self._monitor_candidates(trainer)
+        if self._skip_non_finite(trainer, candidates):  # the newest finite checkpoint stands for this point
+            self.wait_until_finished()
+            return self._newest_path or None
         self._begin()
         assert self._txn is not None
         if self.save_top_k != 0 and (self.monitor is None or self.monitor in candidates):
@@ -641,6 +800,10 @@ class ModelCheckpoint(Callback):
             "pending_removals": list(self._committing),
         }
 
+    def check_state_dict(self, state_dict: Any) -> None:
+        """The saved state has the types :meth:`load_state_dict` reads (it may come from anyone)."""
+        check_checkpoint_callback_state(state_dict)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_global_step_saved = state_dict.get("last_global_step_saved", self._last_global_step_saved)
         dirpath_from_ckpt = state_dict.get("dirpath", self.dirpath)
@@ -653,19 +816,39 @@ class ModelCheckpoint(Callback):
             )
             return
 
-        def present(p: str) -> str:
-            return p if p and os.path.lexists(p) else ""
+        # A checkpoint may come from anyone: a path it names is this callback's to replace or remove only when
+        # it is one of its complete checkpoints in dirpath; anything else stays on disk and is forgotten.
+        self._owned = set()
+
+        def own(p: str, key: str) -> bool:
+            why = not_own_checkpoint(p, self.dirpath or "", self.FILE_EXTENSION)
+            if why is None:
+                self._owned.add(os.path.normpath(p))
+                return True
+            if why != "missing":  # gone: a kill between a commit and its clean-up can leave either state
+                rank_zero_warn(
+                    f"ModelCheckpoint: the checkpoint resumed from names {p!r} in {key}, which is {why}; it is "
+                    f"not a checkpoint of this callback, so it is left on disk untouched and forgotten"
+                )
+            return False
+
+        def present(p: str, key: str) -> str:
+            return p if p and own(p, key) else ""
 
         self.best_model_score = state_dict.get("best_model_score")
         self.current_score = state_dict.get("current_score")
-        # only checkpoints that still exist (a kill between a commit and its clean-up can leave either state)
-        self.best_k_models = {p: v for p, v in state_dict.get("best_k_models", {}).items() if os.path.exists(p)}
+        self.best_k_models = {p: v for p, v in state_dict.get("best_k_models", {}).items() if own(p, "best_k_models")}
         self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
         self.kth_value = state_dict.get("kth_value", self.kth_value)
-        self.last_model_path = state_dict.get("last_model_path", "")
-        self._last_checkpoint_saved = present(state_dict.get("last_checkpoint_saved", ""))
-        self._extra_path = present(state_dict.get("extra_path", ""))
-        self._restored_removals = [p for p in state_dict.get("pending_removals", []) if os.path.lexists(p)]
+        last = state_dict.get("last_model_path", "")
+        self.last_model_path = last if not last or own(last, "last_model_path") or not os.path.lexists(last) else ""
+        self._last_checkpoint_saved = present(state_dict.get("last_checkpoint_saved", ""), "last_checkpoint_saved")
+        self._extra_path = present(state_dict.get("extra_path", ""), "extra_path")
+        self._restored_removals = [p for p in state_dict.get("pending_removals", []) if own(p, "pending_removals")]
+        best = self.best_model_path
+        if best and self._in_dirpath(best) and best not in self.best_k_models and os.path.lexists(best):
+            if not own(best, "best_model_path"):
+                self.best_model_path = ""
         if self.monitor is not None and self.best_k_models and self.best_model_path not in self.best_k_models:
             pick = min if self.mode == "min" else max
             self.best_model_path = pick(self.best_k_models, key=self.best_k_models.get)  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 The package's layers, each importing only those above it:
 
 - ``CheckpointError`` and ``Preempted`` live in :mod:`jaxlight.errors` (re-exported here);
+- :mod:`~jaxlight.checkpoint.schema`: what the metadata may hold (every field
+  jaxlight reads, its type and range), checked before anything is used;
 - :mod:`~jaxlight.checkpoint.format`: the orbax items of a checkpoint, the one
   rule for "complete", the meta item, path-keyed trees of arrays and their
   restore into a template's shardings;
@@ -11,6 +13,8 @@ The package's layers, each importing only those above it:
 - :mod:`~jaxlight.checkpoint.discovery`: complete checkpoints in a directory,
   ``"last"`` and ``"best"``, asked of checkpoint callbacks through what
   :class:`~jaxlight.callbacks.Callback` declares, not their type;
+- :mod:`~jaxlight.checkpoint.dirlock`: one live run per checkpoint directory
+  (a lock file naming the run);
 - :mod:`~jaxlight.checkpoint.publish`: crash-safe publication of committed
   saves (atomic rename/exchange, the publisher, repair after a kill);
 - :mod:`~jaxlight.checkpoint.run_state`: the Trainer's state in and out (the

@@ -11,13 +11,23 @@ points (``resolve_ckpt_path(trainer, ...)``) are in
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from jaxlight.checkpoint.format import TMP_MARK, is_complete, missing_parts, read_meta
+from jaxlight.checkpoint.format import (
+    TMP_MARK,
+    is_complete,
+    is_whole,
+    missing_parts,
+    order_key,
+    read_meta,
+    resolves_complete,
+)
 from jaxlight.checkpoint.host_state import host_checkpoint
-from jaxlight.errors import CheckpointError
+from jaxlight.errors import CheckpointError, MisconfigurationError
+from jaxlight.rank_zero import WarnOnce
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.callbacks.callback import Callback
@@ -37,20 +47,83 @@ def unfinished_saves(dirpath: str | os.PathLike) -> list[Path]:
     return sorted(p for p in d.iterdir() if TMP_MARK in p.name) if d.is_dir() else []
 
 
+_warn_skipped = WarnOnce()
+
+
 def find_last(dirs: list[Path]) -> Path | None:
-    """The most recently committed complete checkpoint in ``dirs`` (progress breaks ties, then a ``last``
-    name: a ``last.ckpt`` sharing its files with a top-k checkpoint is what Lightning's "last" resumes from)."""
+    """The newest complete checkpoint in ``dirs``: the furthest progress, then the latest commit
+    (:func:`jaxlight.checkpoint.format.order_key`; the ``time`` a file claims is not trusted), then a ``last``
+    name (a ``last.ckpt`` sharing its files with a top-k checkpoint is what Lightning's "last" resumes from).
+    A checkpoint whose metadata fails its checks is passed over, with a warning naming it and why."""
     best, best_key = None, None
     for d in dirs:
         for p in list_checkpoints(d):
             try:
                 m = read_meta(p)
-            except CheckpointError:
+            except CheckpointError as e:
+                _warn_skipped(("last", str(p)), f"ckpt_path='last' passes over {p}: {e}")
                 continue
-            key = (m.get("time", 0.0), m.get("micro_batches", 0), m.get("global_step", 0), p.name.startswith("last"))
+            key = (*order_key(m), p.name.startswith("last"))
             if best_key is None or key > best_key:
                 best, best_key = p, key
     return best
+
+
+def next_commit_seq(dirpath: str | os.PathLike) -> int:
+    """The commit sequence number of the next checkpoint saved into ``dirpath``: one more than any complete
+    checkpoint there holds (0 for the first)."""
+    seq = -1
+    for p in list_checkpoints(dirpath):
+        try:
+            seq = max(seq, read_meta(p).get("commit_seq", 0))
+        except CheckpointError:
+            continue
+    return seq + 1
+
+
+def not_own_checkpoint(path: Any, dirpath: str | os.PathLike, extension: str) -> str | None:
+    """Why ``path`` (named in a checkpoint callback's saved state) is not a checkpoint a resuming run may
+    remove: it must be directly inside ``dirpath``, carry ``extension``, and be a complete checkpoint directory
+    of jaxlight's format, or a link to one (only the link is ever removed). None: it is one; ``"missing"``:
+    nothing is there any more."""
+    if not isinstance(path, str) or not path:
+        return f"not a path ({type(path).__name__})"
+    if not os.path.isabs(path):  # a run records absolute paths; a relative one would mean the cwd's
+        return "not an absolute path"
+    p = os.path.normpath(path)
+    if os.path.realpath(os.path.dirname(p)) != os.path.realpath(dirpath):
+        return f"not directly inside {dirpath}"
+    name = os.path.basename(p)
+    if not name.endswith(extension) or TMP_MARK in name:
+        return f"not a checkpoint name (it does not end with {extension!r})"
+    if not os.path.lexists(p):
+        return "missing"
+    if os.path.islink(p):
+        return None if resolves_complete(p) else "a link that does not resolve to a complete checkpoint"
+    if not is_whole(p):
+        return "not a complete checkpoint directory"
+    try:
+        read_meta(p)
+    except CheckpointError as e:
+        return f"not a jaxlight checkpoint ({e})"
+    return None
+
+
+def check_filename(filename: str | None) -> None:
+    """A checkpoint callback's ``filename`` template names a file directly in its directory: no "/" and no
+    ".." in its own text (top-k, ``last`` and ``ckpt_path="last"`` look there only); raises
+    :class:`MisconfigurationError`. The metric names inside ``{...}`` are the callback's to check."""
+    if not filename:
+        return
+    text = re.sub(r"\{[^}]*\}", "", filename)
+    seps = [c for c in ("/", os.sep, os.altsep) if c and c in text]
+    if seps or ".." in text:
+        what = f"a {seps[0]!r}" if seps else "'..'"
+        raise MisconfigurationError(
+            f"ModelCheckpoint(filename={filename!r}) contains {what}: checkpoints are written directly in dirpath, "
+            f"where top-k, save_last and ckpt_path='last' look for them (a name in a subdirectory or outside would "
+            f"make a rerun start from step 0). Put the directory in dirpath= and keep filename a plain name"
+        )
 
 
 def search_dirs(callbacks: Sequence[Callback], default_dir: str | os.PathLike) -> list[Path]:
@@ -155,11 +228,14 @@ def as_given(ckpt_path: str | os.PathLike, resolved: Path) -> str:
 
 __all__ = [
     "as_given",
+    "check_filename",
     "check_path",
     "find_best",
     "find_last",
     "list_checkpoints",
+    "next_commit_seq",
     "no_last_reason",
+    "not_own_checkpoint",
     "resolve",
     "search_dirs",
     "unfinished_saves",

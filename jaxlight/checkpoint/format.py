@@ -24,9 +24,11 @@ trees this module writes and reads.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import jax
 
 from jaxlight import compat
+from jaxlight.checkpoint.schema import KEY_IMPLS, check_meta
 from jaxlight.errors import CheckpointError
 from jaxlight.state import path_str
 
@@ -160,11 +163,13 @@ def write(
     host_arrays: Mapping[str, Any],
     hparams_text: str,
     checkpointer: Any = None,
+    needed: int | None = None,
 ) -> Any:
     """One orbax save of every item into ``path``; returns the checkpointer (async ones commit in the background).
 
     ``groups`` maps the array items (``model``, ``train``) to ``{group: {path: array}}`` with RNG keys
-    already turned into key data (:func:`encode_keys`)."""
+    already turned into key data (:func:`encode_keys`). A full disk is a :class:`CheckpointError` saying
+    where and how much the save needed (``needed``: :func:`bytes_needed`)."""
     orbax = ocp()
     ck = checkpointer if checkpointer is not None else new_checkpointer(async_=False)
     asynchronous = isinstance(ck, orbax.AsyncCheckpointer)
@@ -173,8 +178,81 @@ def write(
     if host_arrays:
         items["host_arrays"] = orbax.args.StandardSave(dict(host_arrays))
     items["hparams"] = _hparams_yaml()[1]({"text": hparams_text})
-    ck.save(path, args=orbax.args.Composite(**items))
+    try:
+        ck.save(path, args=orbax.args.Composite(**items))
+    except Exception as e:
+        full = disk_full_error(e, path, bytes_needed(groups, host_arrays, meta) if needed is None else needed)
+        if full is not None:
+            raise full from e
+        raise
     return ck
+
+
+# ---------------------------------------------------------------------------- disk space
+def bytes_needed(
+    groups: Mapping[str, Mapping[str, Mapping[str, Any]]], host_arrays: Mapping[str, Any], meta: Any
+) -> int:
+    """About how many bytes a save of these items writes: every array's bytes (all shards) and the metadata."""
+    arrays = [a for item in groups.values() for group in item.values() for a in group.values()]
+    arrays += list(host_arrays.values())
+    total = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+    # orbax's own files: a few per item, about 2 KiB of metadata and index per array
+    return total + len(json.dumps(meta, allow_nan=False)) + 64 * 1024 + 2048 * len(arrays)
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem that would hold ``path`` (its nearest existing ancestor); None if unknown."""
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _space_message(path: str | os.PathLike, needed: int, free: int | None, why: str) -> CheckpointError:
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    have = f"{_size(free)} free" if free is not None else "free space unknown"
+    return CheckpointError(
+        f"cannot save checkpoint {path}: {why} in {directory} (the save needs about {_size(needed)}, {have}). "
+        f"Nothing was replaced: the previous checkpoints are kept. Free some space, keep fewer checkpoints "
+        f"(save_top_k) or save to a larger disk (ModelCheckpoint(dirpath=...))"
+    )
+
+
+def check_space(path: str | os.PathLike, needed: int) -> None:
+    """Raise a :class:`CheckpointError` before anything is written when the disk holding ``path`` has less
+    than ``needed`` bytes free (what is not known is not refused)."""
+    free = free_bytes(path)
+    if free is not None and free < needed:
+        raise _space_message(path, needed, free, "not enough disk space")
+
+
+_DISK_FULL = ("no space left on device", "disk quota exceeded", "resource_exhausted", "enospc", "edquot")
+
+
+def disk_full_error(e: BaseException, path: str | os.PathLike, needed: int) -> CheckpointError | None:
+    """The :class:`CheckpointError` for a save that failed because the disk is full (``e``, or an exception it
+    was raised from, says so: ``ENOSPC``/``EDQUOT``, or tensorstore's ``RESOURCE_EXHAUSTED``); None otherwise."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return _space_message(path, needed, free_bytes(path), "the disk is full")
+        if any(mark in str(cur).lower() for mark in _DISK_FULL):
+            return _space_message(path, needed, free_bytes(path), "the disk is full")
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 # ---------------------------------------------------------------------------- trees of arrays
@@ -200,7 +278,13 @@ def encode_keys(flat: Mapping[str, Any], prefix: str, impls: dict[str, str]) -> 
     out = {}
     for k, v in flat.items():
         if is_key(v):
-            impls[f"{prefix}/{k}"] = str(jax.random.key_impl(v))
+            impl = str(jax.random.key_impl(v))
+            if impl not in KEY_IMPLS:  # what a load accepts (jaxlight.checkpoint.schema)
+                raise CheckpointError(
+                    f"cannot save {prefix}/{k}: a PRNG key of implementation {impl!r}; a checkpoint stores keys of "
+                    f"{list(KEY_IMPLS)} only"
+                )
+            impls[f"{prefix}/{k}"] = impl
             v = jax.random.key_data(v)
         out[k] = v
     return out
@@ -365,17 +449,26 @@ def read_meta(path: str | os.PathLike) -> CheckpointMeta:
         raise CheckpointError(f"checkpoint metadata {f} is not valid JSON (truncated or corrupt?): {e}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f'{f} is not jaxlight checkpoint metadata (no "format": "{FORMAT}" field)')
+    check_meta(data, f)  # the readable facts are checked here, before anyone reads them
     meta = CheckpointMeta(data)
     meta.path, meta.file = Path(path), f
     return meta
 
 
-def meta_time(path: str | os.PathLike) -> float:
-    """When the checkpoint at ``path`` was saved (its meta item's ``time``); -1 when it cannot be read."""
+def order_key(meta: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Where a checkpoint stands in its run, for ``"last"``: its progress (global step, then micro-batches:
+    a preemption save may fall inside an accumulation window), then its commit sequence number (``commit_seq``,
+    one more than any checkpoint in the directory when it was saved). Never its ``time``: a clock can be set
+    wrong, and a file can claim any time."""
+    return (meta.get("global_step", 0), meta.get("micro_batches", 0), meta.get("commit_seq", 0))
+
+
+def checkpoint_order(path: str | os.PathLike) -> tuple[int, int, int]:
+    """:func:`order_key` of the checkpoint at ``path``; below every checkpoint when it cannot be read."""
     try:
-        return float(read_meta(path).get("time", 0.0))
-    except Exception:  # unreadable: never preferred
-        return -1.0
+        return order_key(read_meta(path))
+    except CheckpointError:  # unreadable: never preferred
+        return (-1, -1, -1)
 
 
 __all__ = [
@@ -389,15 +482,20 @@ __all__ = [
     "CheckpointMeta",
     "abstract",
     "abstract_like",
+    "bytes_needed",
+    "check_space",
+    "checkpoint_order",
+    "disk_full_error",
     "encode_keys",
     "flatten",
     "is_complete",
     "is_key",
     "is_whole",
+    "free_bytes",
     "listing",
-    "meta_time",
     "missing_parts",
     "new_checkpointer",
+    "order_key",
     "own_host_buffers",
     "read_meta",
     "resolves_complete",

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxlight import serialization
 from jaxlight.checkpoint.format import FORMAT_VERSION, META_FILE, listing, restore_numpy_item, stored_shapes
+from jaxlight.checkpoint.schema import check_host
 from jaxlight.errors import CheckpointError
 
 HOST_ARRAYS = "host_arrays"  # the orbax item holding the host state's large arrays
@@ -132,7 +133,7 @@ def host_checkpoint(meta: Mapping[str, Any], path: str | os.PathLike | None = No
         ckpt = serialization.decode(data, root="checkpoint", load_array=load)
     except serialization.DecodeError as e:
         raise CheckpointError(f"checkpoint metadata {where} is malformed at {e}") from None
-    _check_host(ckpt, where)
+    check_host(ckpt, where, meta)
     return ckpt
 
 
@@ -170,54 +171,6 @@ def _restore_host_arrays(path: Path | None, refs: Mapping[str, tuple[np.dtype, t
                 f"checkpoint {path}: host array {k} is not the {dtype}{shape} array the metadata names"
             )
     return out
-
-
-def _check_host(ckpt: Any, where: Any) -> None:
-    """The fields jaxlight itself reads from the host dict have the types it expects (else a CheckpointError)."""
-
-    def bad(key: str, want: str, value: Any) -> CheckpointError:
-        return CheckpointError(
-            f"checkpoint metadata {where} is malformed: checkpoint{key} should be {want}, got {type(value).__name__}"
-        )
-
-    def is_int(v: Any) -> bool:
-        return type(v) is int and v >= 0
-
-    if not isinstance(ckpt, dict):
-        raise bad("", "a dict", ckpt)
-    for key in ("epoch", "global_step"):
-        if not is_int(ckpt.get(key)):
-            raise bad(f"[{key!r}]", "an int >= 0", ckpt.get(key))
-    loops = ckpt.get("loops")
-    fl = loops.get("fit_loop") if isinstance(loops, dict) else None
-    if not isinstance(fl, dict):
-        raise bad("['loops']['fit_loop']", "a dict", fl)
-    for key in ("resume_epoch", "batches_in_epoch", "micro_batches"):
-        if not is_int(fl.get(key)):
-            raise bad(f"['loops']['fit_loop'][{key!r}]", "an int >= 0", fl.get(key))
-    if type(fl.get("fresh_epoch")) is not bool:
-        raise bad("['loops']['fit_loop']['fresh_epoch']", "a bool", fl.get("fresh_epoch"))
-    for key, types, want in (
-        ("loader_states_by_process", (list, type(None)), "a list or None"),
-        ("train_metrics", (dict, type(None)), "a dict or None"),
-    ):
-        if not isinstance(fl.get(key), types):
-            raise bad(f"['loops']['fit_loop'][{key!r}]", want, fl.get(key))
-    for key, types, want in (
-        ("hyper_parameters", (dict,), "a dict"),
-        ("datamodule_hyper_parameters", (dict,), "a dict"),
-        ("callbacks", (dict,), "a dict"),
-        ("loggers", (list,), "a list"),
-        ("datamodule", (dict,), "a dict"),
-    ):
-        if key in ckpt and not isinstance(ckpt[key], types):
-            raise bad(f"[{key!r}]", want, ckpt[key])
-    if not all(isinstance(k, str) for k in ckpt.get("hyper_parameters", {})):
-        raise CheckpointError(f"checkpoint metadata {where} is malformed: hyperparameter names must be strings")
-    if not all(isinstance(s, dict) for s in ckpt.get("loggers", [])):
-        raise bad("['loggers'][i]", "a dict", next(s for s in ckpt["loggers"] if not isinstance(s, dict)))
-    if "datamodule" in ckpt and "state" not in ckpt["datamodule"]:
-        raise CheckpointError(f"checkpoint metadata {where} is malformed: checkpoint['datamodule'] has no 'state'")
 
 
 __all__ = ["HOST_ARRAYS", "check_hparams", "encode_host", "hparams_text", "host_checkpoint", "save_error"]

@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxlight.checkpoint.discovery import find_last
-from jaxlight.checkpoint.format import COMMIT_FILES, TMP_MARK, is_whole, meta_time, new_checkpointer, resolves_complete
+from jaxlight.checkpoint.format import (
+    COMMIT_FILES,
+    TMP_MARK,
+    checkpoint_order,
+    is_whole,
+    new_checkpointer,
+    resolves_complete,
+)
 from jaxlight.rank_zero import WarnOnce, rank_zero_info
 
 # The kinds of intermediate name: "{final}{TMP_MARK}-{kind}{token}"
@@ -388,7 +395,7 @@ def repair(dirpath: str, token: str, *, last_prefix: str, extension: str, link_l
         if link_last and resolves_complete(head):
             newest = find_last([Path(dirpath)])
             if newest is not None and os.path.realpath(newest) != os.path.realpath(head):
-                if meta_time(newest) > meta_time(os.path.realpath(head)):
+                if checkpoint_order(newest) > checkpoint_order(os.path.realpath(head)):
                     link(head, str(newest), token)
 
 

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxlight import distributed, serialization
-from jaxlight.checkpoint.discovery import as_given, find_last, no_last_reason, resolve, search_dirs
+from jaxlight.checkpoint.discovery import as_given, find_last, next_commit_seq, no_last_reason, resolve, search_dirs
 from jaxlight.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     abstract_like,
+    bytes_needed,
+    check_space,
     encode_keys,
     flatten,
     read_meta,
@@ -150,6 +152,18 @@ def _groups(trainer: Trainer, weights_only: bool) -> tuple[dict[str, dict], dict
     return groups, impls
 
 
+def checkpoint_bytes(trainer: Trainer, weights_only: bool = False) -> int:
+    """About how many bytes a checkpoint of the trainer's state takes (every array's bytes, all shards, and
+    orbax's files: :func:`jaxlight.checkpoint.format.bytes_needed` without the host state); reads only shapes
+    and dtypes, nothing is fetched."""
+    state = trainer.train_state
+    if state is None:
+        return 0
+    trees = [state.params, state.model_state] + ([] if weights_only else [state.opt_state, state.callback_state])
+    leaves = jax.tree_util.tree_leaves(trees)
+    return bytes_needed({"state": {"arrays": dict(enumerate(leaves))}}, {}, {})
+
+
 def _targets(trainer: Trainer, with_train: bool) -> dict[str, dict]:
     """Abstract arrays (shape, dtype, *current* sharding) for what the trainer holds now."""
     state, shs = trainer.train_state, trainer.engine.state_shardings
@@ -185,6 +199,7 @@ def _meta(
     impls: dict[str, str],
     weights_only: bool,
     reason: str,
+    commit_seq: int,
 ) -> dict[str, Any]:
     fl = ckpt["loops"]["fit_loop"]
     module = trainer.lightning_module
@@ -192,7 +207,8 @@ def _meta(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "jaxlight_version": ckpt["jaxlight_version"],
-        "time": time.time(),
+        "time": time.time(),  # for people: "last" orders by progress and commit_seq, never by a clock
+        "commit_seq": commit_seq,
         "reason": reason,
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
@@ -216,6 +232,7 @@ def save_checkpoint(
     weights_only: bool = False,
     checkpointer: Any = None,
     reason: str = "manual",
+    commit_seq: int | None = None,
 ) -> Any:
     """Write the run's state to the directory ``path`` (which must not exist yet).
 
@@ -223,6 +240,9 @@ def save_checkpoint(
     has been copied off the devices; the files are written and committed in the
     background (``checkpointer.wait_until_finished()`` waits). Without one the
     save is synchronous. Every process must call this with the same ``path``.
+    ``commit_seq`` orders checkpoints of the same progress for ``"last"`` (default: one more than any
+    checkpoint in ``path``'s directory holds). A disk without room for the save raises a
+    :class:`CheckpointError` before anything is written.
     """
     path = Path(os.path.abspath(os.fspath(path)))
     error: BaseException | None = None
@@ -230,11 +250,14 @@ def save_checkpoint(
         ckpt = dump_checkpoint(trainer, weights_only)
         host_state, host_arrays = encode_host(ckpt)
         groups, impls = _groups(trainer, weights_only)
-        meta = _meta(trainer, ckpt, host_state, len(host_arrays), impls, weights_only, reason)
+        seq = next_commit_seq(path.parent) if commit_seq is None else commit_seq
+        meta = _meta(trainer, ckpt, host_state, len(host_arrays), impls, weights_only, reason, seq)
         json.dumps(meta, allow_nan=False)  # standard JSON (the readable facts are plain too)
         text = hparams_text(ckpt)
         if path.exists():
             raise CheckpointError(f"checkpoint path {path} already exists; refusing to overwrite it")
+        needed = bytes_needed(groups, host_arrays, meta)
+        check_space(path, needed)
     except Exception as e:
         error = e
     # Multi-process saves: if any process failed to build its part, all of them raise (none waits in orbax).
@@ -243,7 +266,7 @@ def save_checkpoint(
         raise error
     if failed:
         raise CheckpointError(f"cannot save the checkpoint: process(es) {failed} failed to build their part of it")
-    return write(path, groups, meta, host_arrays, text, checkpointer)
+    return write(path, groups, meta, host_arrays, text, checkpointer, needed)
 
 
 # ---------------------------------------------------------------------------- restoring
@@ -278,7 +301,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
     for validate/test/predict only the module's parameters and NNX state.
     """
     path = resolve_ckpt_path(trainer, ckpt_path)
-    meta = read_meta(path)
+    meta = read_meta(path)  # the readable facts are checked as the file is read (checkpoint/schema.py)
     ckpt = host_checkpoint(meta, path)  # decoded (and checked) before anything is written into the trainer
     fit = stage == "fit"
     if fit and meta.get("weights_only"):
@@ -286,6 +309,8 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
             f"checkpoint {path} holds only the model weights (ModelCheckpoint(save_weights_only=True)); it cannot "
             f"resume fit (optimizer and loop state are missing)"
         )
+    if fit:
+        _check_callback_states(trainer, ckpt, meta.file or path)
     arrays = restore_arrays(path, _targets(trainer, with_train=fit), meta.get("key_impls", {}))
     params = arrays["model"].get("params", {})
     model_state = arrays["model"].get("rest", {})
@@ -313,6 +338,23 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
         f"epoch {meta.get('epoch')})"
     )
+
+
+def _check_callback_states(trainer: Trainer, ckpt: Mapping[str, Any], where: Any) -> None:
+    """Each callback checks the state it will be handed (:meth:`Callback.check_state_dict`) before any array
+    is read into the trainer; a state it refuses is a CheckpointError naming the file and the key."""
+    states = ckpt.get("callbacks", {})
+    for cb in trainer.callbacks:
+        if cb.state_key not in states:
+            continue
+        try:
+            cb.check_state_dict(states[cb.state_key])
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint metadata {where} is malformed at checkpoint['callbacks'][{cb.state_key!r}]: {e}"
+            ) from None
 
 
 def _restore_host_state(trainer: Trainer, ckpt: dict[str, Any], path: Path) -> None:
@@ -348,6 +390,7 @@ def _restore_host_state(trainer: Trainer, ckpt: dict[str, Any], path: Path) -> N
 
 
 __all__ = [
+    "checkpoint_bytes",
     "dump_checkpoint",
     "find_last_checkpoint",
     "gather_loader_states",
