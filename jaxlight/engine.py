@@ -14,7 +14,7 @@ import collections
 import contextlib
 import functools
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,10 +30,20 @@ from jaxlight.errors import MisconfigurationError
 from jaxlight.hooks import names_parameter, takes_argument
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
-from jaxlight.optim import OptimizerConfig, configure
+from jaxlight.optim import OptimizerConfig, configure, select_params
 from jaxlight.precision import Precision
+from jaxlight.rank_zero import rank_zero_info
 from jaxlight.stages import STAGES
-from jaxlight.state import ModelParts, merge_models, nnx_attributes, path_str, split_models
+from jaxlight.state import (
+    ModelParts,
+    held_statistics,
+    in_eval_mode,
+    merge_models,
+    nnx_attributes,
+    path_str,
+    split_models,
+    train_graphdef,
+)
 from jaxlight.step import StepBuilder, StepExtension, TrainState
 from jaxlight.strategies.placement import mirror_shardings, named, param_specs, rest_specs
 from jaxlight.strategies.strategy import Strategy
@@ -204,7 +214,7 @@ class Engine:
             for var, is_param, key in slots:
                 set_value(var, params[key] if is_param else rest[key])
             return
-        for k, m in merge_models(parts, params, rest, train=True).items():
+        for k, m in merge_models(parts, params, rest, train=None).items():  # the modes configure_model set
             object.__setattr__(module, k, m)
 
     def _variable_slots(self, current: Mapping[str, nnx.Module]) -> list[tuple[Any, bool, str]] | None:
@@ -290,8 +300,10 @@ class Engine:
         assert module is not None and self.parts is not None
         params, rest = self.read_module()
         params = self.precision.store(params)
-        # configure_optimizers' answer resolved against the parameters: selectors, schedulers, manual mode
-        self.optimizer = optimizer = _as_config(optimizer).build(module, params)
+        # configure_optimizers' answer resolved against the parameters: selectors, schedulers, manual mode,
+        # and the parameters a callback froze (BaseFinetuning), which no optimizer updates
+        frozen = _frozen_parameters(callbacks, trainer, module, list(params))
+        self.optimizer = optimizer = _as_config(optimizer).build(module, params, frozen=frozen)
         tx = optimizer.tx
         exts: list[StepExtension] = []
         extra: dict[str, Any] = {}
@@ -333,6 +345,63 @@ class Engine:
         )
         step = jax.device_put(jnp.int32(global_step), NamedSharding(self.mesh, P()))
         self.train_state = TrainState(params, rest, opt_state, extra, step)
+        self.compiled.pop("train", None)
+        self.refresh_train_modes()
+
+    def refresh_train_modes(self) -> bool:
+        """Make the train step follow the modes the user set on the module's layers (a submodule's
+        ``.eval()``, ``track_running_stats = False`` on a BatchNorm); when they changed since it was compiled,
+        drop it, so the next batch compiles it again (counted in ``compile_counts``). Returns whether it
+        changed. After ``module.eval()`` of the whole module every layer trains in training mode, as before.
+        """
+        module, parts, builder = self.module, self.parts, self.builder
+        if module is None or parts is None or builder is None:
+            return False
+        models = {k: module.__dict__.get(k) for k in parts.names}
+        if not all(isinstance(m, nnx.Module) for m in models.values()):
+            return False
+        graphdef, held = train_graphdef(models, bool(module.training)), held_statistics(models)
+        if graphdef == parts.train_graphdef and held == builder.held_rest:
+            return False
+        self.parts = builder.parts = parts._replace(train_graphdef=graphdef)
+        builder.held_rest = held
+        self.compiled.pop("train", None)
+        kept = [
+            p for p, n in nnx.iter_graph(models) if module.training and isinstance(n, nnx.Module) and in_eval_mode(n)
+        ]
+        if kept:  # Lightning warns about modules in eval mode at the start of training
+            where = ", ".join(path_str(p) for p in kept[:5]) + (" ..." if len(kept) > 5 else "")
+            rank_zero_info(
+                f"jaxlight: {len(kept)} layer(s) are in eval mode ({where}); the train step runs them so, as torch "
+                f"does; call .train() on them to train them in training mode"
+            )
+        return True
+
+    def replace_optimizer(self, optimizer: OptimizerConfig, carry: Callable[[Any, Any], Any]) -> None:
+        """Train on with a rebuilt optimizer (``BaseFinetuning`` added a parameter group): its state is placed
+        as :meth:`setup_training` places it, ``carry(old_state, fresh_state)`` keeps what stays (the
+        existing groups' moments and counts), and the train step is compiled again at the next batch."""
+        st, old = self.train_state, self.builder
+        assert st is not None and old is not None and self.state_shardings is not None
+        with self.context():
+            osh = self._mirror_shardings(jax.eval_shape(optimizer.tx.init, st.params), st.params, "opt_state")
+            fresh = jax.jit(optimizer.tx.init, out_shardings=osh)(st.params)
+        self.optimizer = optimizer
+        self.state_shardings = self.state_shardings._replace(opt_state=osh)
+        self.train_state = st._replace(opt_state=jax.device_put(carry(st.opt_state, fresh), osh))
+        self.builder = StepBuilder(
+            old.module,
+            self.parts,
+            self.precision,
+            optimizer.tx,
+            old.extensions,
+            with_grad_norm=old.with_grad_norm,
+            skip_nonfinite=old.skip_nonfinite,
+            wrap_update=lambda update: self.strategy.wrap_update(update, self.state_shardings),
+            manual=old.manual,
+            handles=optimizer.handles,
+        )
+        self.builder.held_rest = old.held_rest
         self.compiled.pop("train", None)
 
     def _check_state_on_device(self, callbacks: Sequence[Callback], shardings: Mapping[str, Any]) -> None:
@@ -522,6 +591,15 @@ def _with_dataloader_idx(module: Any, method: str, dataloader_idx: int | None):
             object.__setattr__(module, method, saved)
         else:
             object.__delattr__(module, method)
+
+
+def _frozen_parameters(callbacks: Sequence[Callback], trainer: Any, module: Any, paths: list[str]) -> tuple | None:
+    """The parameter paths the callbacks froze (:meth:`Callback.frozen_parameters`); None when none asks."""
+    asked = [cb.frozen_parameters(trainer, module) for cb in callbacks if callable(cb.frozen_parameters)]
+    asked = [a for a in asked if a is not None]
+    if not asked:
+        return None
+    return tuple(select_params(list(asked), paths, module, "frozen_parameters"))
 
 
 def _as_config(optimizer: Any) -> OptimizerConfig:

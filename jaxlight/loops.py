@@ -498,6 +498,7 @@ class FitLoop:
             if not start:  # a mid-epoch resume continues the restored epoch accumulators
                 reporter.reset_epoch("train")
                 hooks.call("on_train_epoch_start")  # Lightning: not again when resuming inside the epoch
+            engine.refresh_train_modes()  # a layer's .eval() (or BaseFinetuning) set in a hook: the step follows
             fetcher = prefetcher(parts, TRAIN, train_loader, n_batches, start, pos.take_resume_loader_state())
             ran_val_at_end = False  # validation ran after the last batch this epoch processed
             exhausted = True

@@ -99,6 +99,7 @@ class ModelParts(NamedTuple):
     eval_graphdef: Any  # same graph in eval mode (dropout off, running stats)
     params: StateCodec
     rest: StateCodec
+    given_graphdef: Any = None  # the graph as the user left it (each layer's own train/eval mode)
 
 
 def nnx_attributes(module: Any) -> dict[str, nnx.Module]:
@@ -124,15 +125,50 @@ def split_models(models: Mapping[str, nnx.Module]) -> tuple[ModelParts, dict, di
     models = dict(models)
     gd_train, params, rest = nnx.split(mode_view(models, True), nnx.Param, ...)
     gd_eval, _, _ = nnx.split(mode_view(models, False), nnx.Param, ...)
+    gd_given, _, _ = nnx.split(models, nnx.Param, ...)
     pc, rc = StateCodec(params), StateCodec(rest)
-    parts = ModelParts(tuple(models), gd_train, gd_eval, pc, rc)
+    parts = ModelParts(tuple(models), gd_train, gd_eval, pc, rc, gd_given)
     return parts, pc.to_flat(params), rc.to_flat(rest)
 
 
-def merge_models(parts: ModelParts, params: Mapping, rest: Mapping, train: bool = True) -> dict[str, nnx.Module]:
-    """Rebuild the NNX modules from flat dicts (inside or outside a trace)."""
-    gd = parts.train_graphdef if train else parts.eval_graphdef
+def merge_models(parts: ModelParts, params: Mapping, rest: Mapping, train: bool | None = True) -> dict[str, nnx.Module]:
+    """Rebuild the NNX modules from flat dicts (inside or outside a trace); ``train=None``: in the modes the
+    user's layers had when they were split."""
+    if train is None:
+        gd = parts.given_graphdef if parts.given_graphdef is not None else parts.train_graphdef
+    else:
+        gd = parts.train_graphdef if train else parts.eval_graphdef
     return nnx.merge(gd, parts.params.from_flat(params), parts.rest.from_flat(rest))
+
+
+def in_eval_mode(node: Any) -> bool:
+    """Whether a layer was put in eval mode (``layer.eval()``, or built so: ``Dropout(deterministic=True)``,
+    ``BatchNorm(use_running_average=True)``)."""
+    return any(getattr(node, name, None) is True for name in _EVAL_MODE)
+
+
+def train_graphdef(models: Mapping[str, nnx.Module], keep_eval_layers: bool) -> Any:
+    """The graph the train step runs: every layer in training mode, except, with ``keep_eval_layers``, the
+    layers the user put in eval mode (torch keeps a submodule's ``.eval()`` through training, and so does
+    Lightning's loop)."""
+    only = (lambda path, node: not in_eval_mode(node)) if keep_eval_layers else ...
+    view = nnx.with_attributes(dict(models), only=only, raise_if_not_found=False, **_TRAIN_MODE)
+    return nnx.split(view, nnx.Param, ...)[0]
+
+
+def held_statistics(models: Mapping[str, nnx.Module]) -> frozenset[str]:
+    """The flat keys of the non-parameter variables of layers with ``track_running_stats = False`` (torch's
+    flag; ``BaseFinetuning.freeze`` sets it on BatchNorm): the train step keeps their values, so a BatchNorm
+    normalises with its batch's statistics and leaves its running ones alone, as torch's does."""
+    nodes = dict(nnx.iter_graph(dict(models)))
+    held = [
+        p for p, n in nodes.items() if isinstance(n, nnx.Module) and getattr(n, "track_running_stats", True) is False
+    ]
+    return frozenset(
+        path_str(p)
+        for p, n in nodes.items()
+        if isinstance(n, nnx.Variable) and not isinstance(n, nnx.Param) and any(p[: len(h)] == h for h in held)
+    )
 
 
 def rest_after(parts: ModelParts, models: Mapping[str, nnx.Module]) -> dict:

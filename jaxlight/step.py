@@ -140,6 +140,8 @@ class StepBuilder:
         body = self._manual_update if manual else self._update
         self.update = wrap_update(body) if wrap_update is not None else body
         self.log_specs: dict[str, dict] = {}
+        # model-state keys the train step keeps as they were (layers with track_running_stats = False)
+        self.held_rest: frozenset[str] = frozenset()
 
     def _rows(self, batch: Any) -> int | None:
         leaves = jax.tree.leaves(batch)
@@ -166,6 +168,7 @@ class StepBuilder:
             loss, extras = split_training_output(out)
             rest = rest_after(self.parts, models)
             rest = {k: v.astype(state.model_state[k].dtype) if hasattr(v, "astype") else v for k, v in rest.items()}
+            rest.update({k: state.model_state[k] for k in self.held_rest})
             self.log_specs["train"] = col.specs
             return loss.astype(jnp.float32), (extras, col.values, rest)
 

@@ -545,7 +545,18 @@ def callback_hook_names() -> list[str]:
     """Hooks of jaxlight's Callback (so a test can check CALLBACK_HOOKS misses none)."""
     import jaxlight as jl
 
-    skip = {"state_dict", "load_state_dict", "step_extension", "init_step_state", "eval_params", "wait_until_finished"}
+    # declared capabilities (not hooks the loop calls at a point of its own)
+    skip = {
+        "state_dict",
+        "load_state_dict",
+        "step_extension",
+        "init_step_state",
+        "eval_params",
+        "wait_until_finished",
+        "best_checkpoint_path",
+        "save_now",
+        "check_state_dict",
+    }
     return [
         n for n, _ in inspect.getmembers(jl.Callback, inspect.isfunction) if not n.startswith("_") and n not in skip
     ]

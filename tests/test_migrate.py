@@ -253,6 +253,7 @@ def test_fsdp_sharded_module_loads_in_place(tmp_path):
 
     # fit continues from the loaded weights: one FSDP SGD step equals torch's SGD step on the same batch
     labels = np.arange(len(TOKENS)) % OUT
+    model.net.train()  # as torch: a submodule left in eval mode would train in eval mode (issue 23)
     jl.Trainer(strategy=jl.strategies.FSDP(min_shard=16), devices=8, max_steps=1, **quiet()).fit(
         model, [(TOKENS, labels)]
     )

@@ -3,6 +3,7 @@
 from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.early_stopping import EarlyStopping
 from jaxlight.callbacks.ema import EMA
+from jaxlight.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from jaxlight.callbacks.lambda_function import LambdaCallback
 from jaxlight.callbacks.lr_monitor import LearningRateMonitor
 from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
@@ -26,3 +27,4 @@ __all__ += [
     "ThroughputMonitor",
 ]
 __all__ += ["ModelCheckpoint", "Preemption"]
+__all__ += ["BackboneFinetuning", "BaseFinetuning"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +47,7 @@ class Callback:
       memory (a host-offload strategy refuses to move them, naming the
       callback);
     - :meth:`eval_params`: other weights to evaluate with (EMA);
+    - ``frozen_parameters``: parameters no optimizer updates (fine-tuning), a method or None;
     - :meth:`wait_until_finished`: block until background work (async
       checkpoint commits) is done; the trainer calls it after fit and before a
       preemption exit;
@@ -59,6 +60,11 @@ class Callback:
     is_checkpoint_callback: bool = False
     is_monitoring_callback: bool = False
     state_on_device: tuple[str, ...] = ()
+    # Parameters no optimizer may update (torch's requires_grad=False; BaseFinetuning): None, or a method
+    # ``frozen_parameters(trainer, pl_module) -> selector`` (jl.optim.select_params: paths, NNX modules or
+    # variables of the module, a list of these; an empty list is allowed), called once per fit after
+    # configure_model and before the optimizer is built. Those parameters get no update and no optimizer state.
+    frozen_parameters: Callable[[Trainer, LightningModule], Any] | None = None
 
     @property
     def state_key(self) -> str:

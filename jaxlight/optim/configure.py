@@ -29,6 +29,7 @@ import optax
 
 from jaxlight.errors import MisconfigurationError
 from jaxlight.optim.accumulate import accumulate_gradients
+from jaxlight.optim.finetune import AddedGroup, group_transform, zero_unoptimized
 from jaxlight.optim.inspect import TransformInfo, inspect_transform
 from jaxlight.optim.params import KnownGroup, ParamGroups, group_labels, partition, select_params
 from jaxlight.optim.schedules import (
@@ -172,6 +173,12 @@ class OptimizerConfig:
     optimizers: list[BuiltOptimizer] = dataclasses.field(default_factory=list)
     tx: optax.GradientTransformation | None = None
     handles: list[Any] = dataclasses.field(default_factory=list)  # ManualOptimizer handles (self.optimizers())
+    # fine-tuning (BaseFinetuning): parameters frozen when the optimizer was first built (None: no callback
+    # freezes; a tuple, even empty, keeps every optimizer in a partition so that groups can be added), the
+    # parameter groups added since, and the parsed config a rebuild starts from
+    frozen: tuple[str, ...] | None = None
+    groups: list[AddedGroup] = dataclasses.field(default_factory=list)
+    parsed: OptimizerConfig | None = dataclasses.field(default=None, repr=False)
 
     @property
     def schedules(self) -> list[Any]:
@@ -191,14 +198,28 @@ class OptimizerConfig:
         return self.tx is not None
 
     # -- build -----------------------------------------------------------------------------------
-    def build(self, module: Any, params: Mapping[str, Any]) -> OptimizerConfig:
+    def build(self, module: Any, params: Mapping[str, Any], frozen: tuple[str, ...] | None = None) -> OptimizerConfig:
         """Resolve the parameter selectors against ``params`` (flat, path-keyed; arrays or shapes) and make
         the transformations; returns a new, built config. Raises :class:`MisconfigurationError` for forms
-        the module's optimization mode cannot use, before any work is done."""
+        the module's optimization mode cannot use, before any work is done.
+
+        ``frozen``: parameter paths no optimizer updates (left out of every selector; they get no state);
+        ``self.groups``: parameter groups added by fine-tuning, each updated by a fresh copy of its
+        optimizer's transformation (see :mod:`jaxlight.optim.finetune`)."""
+        if self.tx is not None:  # rebuilding: start again from what configure_optimizers returned
+            assert self.parsed is not None
+            return dataclasses.replace(self.parsed, groups=list(self.groups)).build(module, params, frozen)
         automatic = bool(getattr(module, "automatic_optimization", True))
         paths = list(params)
         schedulers = [dataclasses.replace(c) for c in self.schedulers]
         cfg = dataclasses.replace(self, schedulers=schedulers, automatic=automatic, optimizers=[], handles=[])
+        cfg.frozen, cfg.parsed = (tuple(frozen) if frozen is not None else None), self
+        if frozen is not None and not automatic:
+            raise MisconfigurationError(
+                "a fine-tuning callback froze parameters, but the module uses manual optimization; BaseFinetuning "
+                "works with automatic optimization (select each manual optimizer's parameters with 'params' instead)"
+            )
+        held_out = set(frozen or ()) | {k for g in self.groups for k in g.keys}
         if not automatic:
             if self.gradient_clip_val:
                 raise MisconfigurationError(
@@ -225,6 +246,13 @@ class OptimizerConfig:
         known: list[Mapping[str, KnownGroup]] = []
         for i, entry in enumerate(self.entries):
             sel = select_params(entry.params, paths, module, f"optimizer {i} 'params'")
+            if held_out:
+                sel = [p for p in sel if p not in held_out]
+                if not sel:
+                    raise MisconfigurationError(
+                        f"optimizer {i} has no parameter left to update: every parameter it selects is frozen "
+                        f"(BaseFinetuning.freeze) or in a parameter group added by fine-tuning"
+                    )
             groups = entry.tx if isinstance(entry.tx, ParamGroups) else None
             base = groups.resolve(sel, module) if groups is not None else entry.tx
             sub = {k: params[k] for k in sel}
@@ -237,20 +265,29 @@ class OptimizerConfig:
             raise MisconfigurationError("a scheduler belongs to an optimizer that configure_optimizers did not return")
 
         if automatic:
+            labels: dict[str, str] | None = None
             if n == 0:
                 base = optax.set_to_zero()
                 cfg.optimizers = []
-            elif n == 1 and len(keys[0]) == len(paths):
+            elif n == 1 and len(keys[0]) == len(paths) and frozen is None:
                 base = txs[0]
                 cfg.optimizers = [BuiltOptimizer(0, txs[0], keys[0], lambda s: s, known=known[0])]
             else:
-                labels = group_labels([(f"opt{i}", list(k)) for i, k in enumerate(keys)], paths, "configure_optimizers")
-                base = partition({f"opt{i}": t for i, t in enumerate(txs)}, labels)
+                added = [(g.label, list(g.keys)) for g in self.groups]
+                labels = group_labels(
+                    [(f"opt{i}", list(k)) for i, k in enumerate(keys)] + added, paths, "configure_optimizers"
+                )
+                group_txs = {g.label: group_transform(self.entries[g.optimizer].tx, g) for g in self.groups}
+                base = partition({**{f"opt{i}": t for i, t in enumerate(txs)}, **group_txs}, labels)
                 cfg.optimizers = [
                     BuiltOptimizer(
                         i, t, k, lambda s, i=i: s.inner_states[f"opt{i}"].inner_state, masked=True, known=known[i]
                     )
                     for i, (t, k) in enumerate(zip(txs, keys))
+                ]
+                cfg.groups = [
+                    dataclasses.replace(g, state_of=lambda s, label=g.label: s.inner_states[label].inner_state)
+                    for g in self.groups
                 ]
             tx = hold_plateaus(base) if _has_plateau(base, params) else base
             outer: list[Callable[[Any], Any]] = []
@@ -260,12 +297,14 @@ class OptimizerConfig:
                     if self.gradient_clip_algorithm == "norm"
                     else optax.clip(self.gradient_clip_val)
                 )
+                if frozen is not None and labels is not None:  # Lightning clips the optimizers' parameters only
+                    clip = optax.chain(zero_unoptimized(labels), clip)
                 tx = optax.chain(clip, tx)
                 outer.append(lambda s: s[1])
             if self.accumulate_grad_batches > 1:
                 tx = accumulate_gradients(tx, self.accumulate_grad_batches)
                 outer.append(lambda s: s.inner_state)
-            for opt in cfg.optimizers:
+            for opt in [*cfg.optimizers, *cfg.groups]:
                 opt.state_of = _compose(list(reversed(outer)), opt.state_of)
             cfg.tx = tx
         else:

@@ -1,0 +1,491 @@
+"""Fine-tuning callbacks: Lightning's ``BaseFinetuning`` and ``BackboneFinetuning`` over NNX modules and optax.
+
+A jax array has no ``requires_grad``, so "frozen" is kept here, per parameter
+variable, and handed to the trainer before the optimizer is built
+(:meth:`Callback.frozen_parameters`): frozen parameters are left out of every
+optimizer, so they get no update and no optimizer state. Unfreezing a module
+into a new parameter group (:meth:`BaseFinetuning.unfreeze_and_add_param_group`)
+rebuilds the optimizer with one more group whose state starts fresh, at the
+group's learning rate, as torch's ``add_param_group`` does; the other groups
+keep their moments and step counts. The train step is compiled again once,
+at the next batch (``trainer.compile_counts["train"]`` counts it).
+
+BatchNorm follows torch: ``freeze(modules, train_bn=False)`` sets
+``track_running_stats = False`` on each ``nnx.BatchNorm``, so the compiled step
+normalises with the batch's statistics and leaves the running ones as they
+are; ``make_trainable`` sets it back to True.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+from flax import nnx
+
+from jaxlight.callbacks.callback import Callback
+from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
+from jaxlight.errors import MisconfigurationError
+from jaxlight.optim.finetune import AddedGroup, carry_state, check_settable, set_learning_rates
+from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
+from jaxlight.state import nnx_attributes, path_str
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.module import LightningModule
+    from jaxlight.trainer import Trainer
+
+Modules = Any  # an nnx.Module, or an iterable (list, tuple, dict values) of modules and iterables
+
+
+def multiplicative(epoch: int) -> float:
+    """BackboneFinetuning's default ``lambda_func``: double the backbone's learning rate every epoch."""
+    return 2.0
+
+
+# ------------------------------------------------------------------------------------------ modules
+def _modules_under(root: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    return [(p, n) for p, n in nnx.iter_graph(root) if isinstance(n, nnx.Module)]
+
+
+def _own_params(module: nnx.Module) -> list[nnx.Param]:
+    """The parameters a module holds itself, not through a submodule (torch's ``parameters(recurse=False)``)."""
+    nodes = list(nnx.iter_graph(module))
+    inner = [p for p, n in nodes if isinstance(n, nnx.Module) and p]
+    return [
+        n for p, n in nodes if isinstance(n, nnx.Param) and not any(p[: len(q)] == q for q in inner if len(q) < len(p))
+    ]
+
+
+class _ParamGroup(dict):
+    """torch's ``param_group`` dict: ``"params"`` (the parameter paths) and ``"lr"``; setting ``"lr"`` sets
+    the group's learning rate in the optimizer state (at the end of the hook)."""
+
+    def __init__(self, owner: FinetuneOptimizer, index: int, params: tuple[str, ...], lr: float | None) -> None:
+        super().__init__(params=params, lr=lr)
+        self._owner, self._index = owner, index
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "lr":
+            self._owner._set_lr(self._index, float(value))
+            value = float(value)
+        super().__setitem__(key, value)
+
+
+class FinetuneOptimizer:
+    """What ``finetune_function`` receives as ``optimizer``: one optimizer of ``configure_optimizers``, with
+    torch's ``param_groups`` (group 0: the parameters it was built with; then the groups added since) and
+    ``add_param_group``. ``optimizer`` is the optax transformation. Changes take effect when the hook
+    returns (one rebuild for every group added in that hook)."""
+
+    def __init__(self, trainer: Any, index: int, cache: dict | None = None) -> None:
+        self._trainer = trainer
+        self.index = index
+        self._cache = {} if cache is None else cache
+        self._new: list[AddedGroup] = []
+        self._lr0: float | None = None
+        self._lr0_set = False
+        self.changed = False
+
+    @property
+    def _config(self) -> Any:
+        return self._trainer.engine.optimizer
+
+    @property
+    def optimizer(self) -> Any:
+        return self._config.optimizers[self.index].tx
+
+    def _groups(self) -> list[AddedGroup]:
+        return [g for g in self._config.groups if g.optimizer == self.index] + self._new
+
+    def base_lr(self) -> float:
+        """The learning rate of group 0 (the one the optimizer's next update uses)."""
+        if self._lr0 is None:
+            self._lr0 = read_learning_rate(self._trainer, self.index, self._cache)
+        return self._lr0
+
+    @property
+    def param_groups(self) -> list[_ParamGroup]:
+        opt = self._config.optimizers[self.index]
+        try:
+            lr0 = self.base_lr()
+        except MisconfigurationError:
+            lr0 = None  # a rate baked into the transformation: torch's "lr" cannot be read
+        out = [_ParamGroup(self, 0, tuple(opt.keys), lr0)]
+        return out + [_ParamGroup(self, i + 1, g.keys, g.lr) for i, g in enumerate(self._groups())]
+
+    def _set_lr(self, index: int, lr: float) -> None:
+        if index == 0:
+            self._lr0, self._lr0_set = lr, True
+        else:
+            self._groups()[index - 1].lr = lr
+        self.changed = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group({"params": [...], "lr": ...})``: ``params`` are parameter paths (as
+        ``trainer.train_state.params`` names them); ``lr`` defaults to group 0's."""
+        keys = tuple(param_group["params"])
+        if not keys:
+            return
+        lr = float(param_group["lr"]) if param_group.get("lr") is not None else self.base_lr()
+        params = self._trainer.train_state.params
+        check_settable(self.optimizer_entry, {k: params[k] for k in keys}, "add_param_group")
+        n = len(self._groups()) + 2  # torch counts groups from 1, and group 1 is the optimizer's own
+        self._new.append(AddedGroup(self.index, f"opt{self.index}_pg{n}", keys, lr))
+        self.changed = True
+
+    @property
+    def optimizer_entry(self) -> Any:
+        """The transformation ``configure_optimizers`` returned for this optimizer (before schedulers)."""
+        return self._config.parsed.entries[self.index].tx
+
+
+def read_learning_rate(trainer: Any, index: int, cache: dict | None = None) -> float:
+    """Optimizer ``index``'s current learning rate (torch's ``param_groups[0]["lr"]``), read from its state.
+    ``cache`` keeps the reader (a small jitted function) per optimizer between calls."""
+    cfg, st = trainer.engine.optimizer, trainer.train_state
+    opt = cfg.optimizers[index]
+    cache = {} if cache is None else cache
+    if index not in cache or cache[index][0] is not opt:
+        cache[index] = (opt, cfg.inspect_one(opt, st.opt_state, st.params))
+    info = cache[index][1]
+    groups = info.optimized_groups
+    if not groups or not groups[0].readable:
+        raise MisconfigurationError(
+            f"optimizer {index}'s learning rate is not in its optax state (a rate baked into optax.adam(1e-3) "
+            f"lives in a closure): build it with optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), or "
+            f"pass lr= explicitly"
+        )
+    return float(jax.device_get(info.values(opt.state_of(st.opt_state))[0]["lr"]))
+
+
+# ------------------------------------------------------------------------------------------ the callbacks
+class BaseFinetuning(Callback):
+    """Freeze modules before training and unfreeze them into new parameter groups later (Lightning's API).
+
+    Override :meth:`freeze_before_training` (called once the module's NNX models exist, before the
+    optimizer is built) and :meth:`finetune_function` (called at every train epoch start with each
+    optimizer, a :class:`FinetuneOptimizer`). ``modules`` arguments are NNX modules of the
+    LightningModule or iterables of them (``self.net.layers[-2:]`` for torch's ``net[-2:]``).
+
+    As in torch: frozen parameters get no update and no optimizer state; a group added with
+    :meth:`unfreeze_and_add_param_group` starts with fresh optimizer state at its learning rate (group 0's
+    divided by ``initial_denom_lr`` unless ``lr`` is given), so its first Adam step moves each weight by
+    that rate. An optimizer with an epoch-interval or plateau scheduler scales its added groups' rates by
+    the factor its own rate changed by at each epoch start (torch's ``StepLR``/``MultiStepLR``/
+    ``ReduceLROnPlateau`` scale every group). Adding groups recompiles the train step once.
+    """
+
+    def __init__(self) -> None:
+        self._internal_optimizer_metadata: dict[int, list[dict[str, Any]]] = {}
+        self._restarting = False
+        self._frozen: dict[int, nnx.Variable] = {}  # id(param variable) -> the variable, requires_grad=False
+        self._froze = False
+        self._optimizer_built = False
+        self._last_lr: dict[int, float] = {}
+        self._infos: dict[int, tuple[Any, Any]] = {}  # optimizer index -> (its BuiltOptimizer, TransformInfo)
+
+    # -- Lightning's state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"internal_optimizer_metadata": self._internal_optimizer_metadata}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restarting = True
+        self._internal_optimizer_metadata = {
+            int(k): v for k, v in state_dict.get("internal_optimizer_metadata", {}).items()
+        }
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning restores the added param groups here. jaxlight restores the optimizer state before any
+        # hook, into the optimizer as configure_optimizers built it: a checkpoint saved after an unfreeze
+        # holds the added groups' state too, and the restore fails with a CheckpointError naming it.
+        self._restarting = False
+
+    # -- modules and parameters ---------------------------------------------------------------
+    @staticmethod
+    def flatten_modules(modules: Modules) -> list[nnx.Module]:
+        """The leaf modules of ``modules`` (no submodules) and the modules that hold parameters themselves."""
+        if isinstance(modules, dict):
+            modules = list(modules.values())
+        if isinstance(modules, nnx.Module):
+            found = _modules_under(modules)
+        elif isinstance(modules, Iterable) and not isinstance(modules, (str, bytes)):
+            out: list[nnx.Module] = []
+            for m in modules:
+                if isinstance(m, (nnx.Module, dict)) or (isinstance(m, Iterable) and not isinstance(m, str)):
+                    out.extend(BaseFinetuning.flatten_modules(m))
+            return list({id(m): m for m in out}.values())
+        else:
+            return []  # a function in an nnx.Sequential (nnx.relu) holds nothing
+        paths = [p for p, _ in found]
+        leaf = {p: not any(q[: len(p)] == p and len(q) > len(p) for q in paths) for p in paths}
+        return [m for p, m in found if leaf[p] or _own_params(m)]
+
+    def filter_params(self, modules: Modules, train_bn: bool = True, requires_grad: bool = True) -> Iterator[nnx.Param]:
+        """The parameters of ``modules`` whose ``requires_grad`` is ``requires_grad`` (BatchNorm's left out
+        unless ``train_bn``)."""
+        for mod in self.flatten_modules(modules):
+            if isinstance(mod, nnx.BatchNorm) and not train_bn:
+                continue
+            for p in _own_params(mod):
+                if (id(p) not in self._frozen) == requires_grad:
+                    yield p
+
+    def make_trainable(self, modules: Modules) -> None:
+        """Unfreeze the parameters of ``modules`` (BatchNorm tracks its running statistics again). They are
+        updated once they are in a parameter group (:meth:`unfreeze_and_add_param_group`)."""
+        for mod in self.flatten_modules(modules):
+            if isinstance(mod, nnx.BatchNorm):
+                mod.track_running_stats = True
+            for p in _own_params(mod):
+                self._frozen.pop(id(p), None)
+
+    def freeze_module(self, module: nnx.Module) -> None:
+        """Freeze the parameters ``module`` holds itself (a BatchNorm also stops tracking running statistics)."""
+        if isinstance(module, nnx.BatchNorm):
+            module.track_running_stats = False
+        for p in _own_params(module):
+            self._frozen[id(p)] = p
+
+    def freeze(self, modules: Modules, train_bn: bool = True) -> None:
+        """Freeze ``modules``; with ``train_bn`` their BatchNorm layers stay trainable (as in Lightning)."""
+        if self._optimizer_built:
+            rank_zero_warn(
+                "BaseFinetuning.freeze after the optimizer was built does not remove parameters from it: "
+                "freeze in freeze_before_training"
+            )
+        for mod in self.flatten_modules(modules):
+            if isinstance(mod, nnx.BatchNorm) and train_bn:
+                self.make_trainable(mod)
+            else:
+                self.freeze_module(mod)
+
+    @staticmethod
+    def filter_on_optimizer(optimizer: FinetuneOptimizer, params: Iterable[str]) -> list[str]:
+        """The parameter paths of ``params`` that no group of ``optimizer`` updates yet (the others are
+        skipped with Lightning's warning)."""
+        taken = {k for g in optimizer.param_groups for k in g["params"]}
+        params = list(params)
+        out = [p for p in params if p not in taken]
+        if len(out) < len(params):
+            rank_zero_warn(
+                "The provided params to be frozen already exist within another group of this optimizer. Those "
+                "parameters will be skipped.\nHINT: freeze them in freeze_before_training so configure_optimizers' "
+                "optimizer does not take them"
+            )
+        return out
+
+    def unfreeze_and_add_param_group(
+        self,
+        modules: Modules,
+        optimizer: FinetuneOptimizer,
+        lr: float | None = None,
+        initial_denom_lr: float = 10.0,
+        train_bn: bool = True,
+    ) -> None:
+        """Unfreeze ``modules`` and add their parameters to ``optimizer`` as a new group, at ``lr`` (default:
+        group 0's rate divided by ``initial_denom_lr``), its optimizer state fresh."""
+        self.make_trainable(modules)
+        params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
+        if params_lr is None:
+            optimizer.base_lr()  # raises, saying how to make the rate readable
+        denom_lr = initial_denom_lr if lr is None else 1.0
+        paths = self._paths(optimizer._trainer.lightning_module)
+        found = [paths[id(p)] for p in self.filter_params(modules, train_bn=train_bn, requires_grad=True)]
+        found = self.filter_on_optimizer(optimizer, found)
+        if found:
+            optimizer.add_param_group({"params": found, "lr": params_lr / denom_lr})
+
+    @staticmethod
+    def _paths(pl_module: Any) -> dict[int, str]:
+        """``id(variable) -> its path in trainer.train_state.params`` for the module's NNX models."""
+        return {id(n): path_str(p) for p, n in nnx.iter_graph(nnx_attributes(pl_module)) if isinstance(n, nnx.Variable)}
+
+    # -- the hooks -----------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._froze = False
+        self._optimizer_built = False
+        self._last_lr = {}
+        if stage == "fit" and nnx_attributes(pl_module):  # built in __init__: Lightning's moment
+            self._frozen = {}
+            self.freeze_before_training(pl_module)
+            self._froze = True
+
+    def frozen_parameters(self, trainer: Trainer, pl_module: LightningModule) -> list[str]:
+        if not self._froze:  # the models came from configure_model: freeze them now, before the optimizer
+            self._frozen = {}
+            self.freeze_before_training(pl_module)
+            self._froze = True
+        if getattr(pl_module, "automatic_optimization", True) is False:
+            raise MisconfigurationError(
+                f"{type(self).__name__} works with automatic optimization; {type(pl_module).__name__} sets "
+                f"automatic_optimization = False"
+            )
+        self._optimizer_built = True
+        paths = self._paths(pl_module)
+        return sorted(paths[k] for k in self._frozen if k in paths)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        cfg = trainer.engine.optimizer
+        if cfg is None or not cfg.optimizers:
+            return
+        handles = [FinetuneOptimizer(trainer, i, self._infos) for i in range(len(cfg.optimizers))]
+        self._follow_schedulers(trainer, handles)
+        for i, opt in enumerate(handles):
+            before = len(opt.param_groups)
+            self.finetune_function(pl_module, trainer.current_epoch, opt)
+            self._store(i, before, opt.param_groups)
+        self._apply(trainer, handles)
+
+    def _follow_schedulers(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
+        """torch's epoch schedulers (StepLR, MultiStepLR, ReduceLROnPlateau) scale every param group: scale the
+        added groups by the factor their optimizer's own rate changed by since the last epoch start."""
+        cfg = trainer.engine.optimizer
+        for opt in handles:
+            follows = any(
+                c.optimizer_index == opt.index and (c.interval == "epoch" or c.reduce_on_plateau)
+                for c in cfg.schedulers
+            )
+            groups = opt._groups()
+            if not (follows and groups):
+                continue
+            now, before = opt.base_lr(), self._last_lr.get(opt.index)
+            if before and now != before:
+                for g in groups:
+                    g.lr *= now / before
+                opt.changed = True
+        for opt in handles:
+            try:
+                self._last_lr[opt.index] = opt.base_lr()
+            except MisconfigurationError:
+                pass
+
+    def _store(self, index: int, before: int, groups: list[_ParamGroup]) -> None:
+        meta = self._internal_optimizer_metadata.setdefault(index, [])
+        if not meta or before != len(groups):
+            meta[:] = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
+
+    def _apply(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
+        """One optimizer rebuild for every group added in this hook; learning rates written into the state."""
+        engine = trainer.engine
+        cfg = engine.optimizer
+        new = [g for opt in handles for g in opt._new]
+        base = [(cfg.optimizers[o.index].state_of, o._lr0) for o in handles if o._lr0_set]
+        if new:
+            module = trainer.lightning_module
+            grown = dataclasses.replace(cfg, groups=[*cfg.groups, *new])
+            rebuilt = grown.build(module, trainer.train_state.params, frozen=cfg.frozen)
+            targets = [(g.state_of, g.lr) for g in rebuilt.groups]
+            base = [(rebuilt.optimizers[o.index].state_of, o._lr0) for o in handles if o._lr0_set]
+            engine.replace_optimizer(rebuilt, lambda old, fresh: set_learning_rates(carry_state(old, fresh), targets))
+            if base:
+                st = engine.train_state
+                engine.train_state = st._replace(opt_state=set_learning_rates(st.opt_state, base))
+            for cb in trainer.callbacks:  # its targets are positions in the optimizer state, which changed
+                if isinstance(cb, LRSchedulerStepper):
+                    cb.on_train_start(trainer, module)
+            added = sum(len(g.keys) for g in new)
+            rank_zero_info(
+                f"jaxlight: {type(self).__name__} added {len(new)} parameter group(s) ({added} parameters) at epoch "
+                f"{trainer.current_epoch}; the train step is compiled again"
+            )
+        elif any(o.changed for o in handles):
+            targets = [(g.state_of, g.lr) for g in cfg.groups] + base
+            st = engine.train_state
+            engine.train_state = st._replace(opt_state=set_learning_rates(st.opt_state, targets))
+
+    # -- to override -----------------------------------------------------------------------------
+    def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: FinetuneOptimizer) -> None:
+        """Override to add your unfreeze logic (called at every train epoch start, for each optimizer)."""
+        raise NotImplementedError
+
+    def freeze_before_training(self, pl_module: LightningModule) -> None:
+        """Override to add your freeze logic (called once the module's NNX models exist)."""
+        raise NotImplementedError
+
+
+class BackboneFinetuning(BaseFinetuning):
+    """Lightning's ``BackboneFinetuning``: ``pl_module.backbone`` is frozen, unfrozen at
+    ``unfreeze_backbone_at_epoch`` into a group at ``backbone_initial_lr`` (default: the current rate times
+    ``backbone_initial_ratio_lr``), whose rate then grows by ``lambda_func(epoch + 1)`` every epoch,
+    up to the optimizer's own rate when ``should_align``."""
+
+    def __init__(
+        self,
+        unfreeze_backbone_at_epoch: int = 10,
+        lambda_func: Callable[[int], float] = multiplicative,
+        backbone_initial_ratio_lr: float = 10e-2,
+        backbone_initial_lr: float | None = None,
+        should_align: bool = True,
+        initial_denom_lr: float = 10.0,
+        train_bn: bool = True,
+        verbose: bool = False,
+        rounding: int = 12,
+    ) -> None:
+        super().__init__()
+        self.unfreeze_backbone_at_epoch = unfreeze_backbone_at_epoch
+        self.lambda_func = lambda_func
+        self.backbone_initial_ratio_lr = backbone_initial_ratio_lr
+        self.backbone_initial_lr = backbone_initial_lr
+        self.should_align = should_align
+        self.initial_denom_lr = initial_denom_lr
+        self.train_bn = train_bn
+        self.verbose = verbose
+        self.rounding = rounding
+        self.previous_backbone_lr: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "previous_backbone_lr": self.previous_backbone_lr}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.previous_backbone_lr = state_dict.get("previous_backbone_lr")
+        super().load_state_dict(state_dict)
+
+    def _check_backbone(self, pl_module: Any) -> None:
+        if not isinstance(getattr(pl_module, "backbone", None), nnx.Module):
+            raise MisconfigurationError("The LightningModule should have a nnx.Module `backbone` attribute")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check_backbone(pl_module)
+        super().on_fit_start(trainer, pl_module)
+
+    def freeze_before_training(self, pl_module: LightningModule) -> None:
+        self._check_backbone(pl_module)
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: FinetuneOptimizer) -> None:
+        if epoch == self.unfreeze_backbone_at_epoch:
+            current_lr = optimizer.param_groups[0]["lr"]
+            initial_backbone_lr = (
+                self.backbone_initial_lr
+                if self.backbone_initial_lr is not None
+                else current_lr * self.backbone_initial_ratio_lr
+            )
+            self.previous_backbone_lr = initial_backbone_lr
+            self.unfreeze_and_add_param_group(
+                pl_module.backbone,
+                optimizer,
+                initial_backbone_lr,
+                train_bn=self.train_bn,
+                initial_denom_lr=self.initial_denom_lr,
+            )
+            if self.verbose:
+                rank_zero_info(
+                    f"Current lr: {round(current_lr, self.rounding)}, "
+                    f"Backbone lr: {round(initial_backbone_lr, self.rounding)}"
+                )
+        elif epoch > self.unfreeze_backbone_at_epoch:
+            current_lr = optimizer.param_groups[0]["lr"]
+            assert self.previous_backbone_lr is not None
+            next_lr = self.lambda_func(epoch + 1) * self.previous_backbone_lr
+            next_lr = current_lr if (self.should_align and next_lr > current_lr) else next_lr
+            optimizer.param_groups[-1]["lr"] = next_lr
+            self.previous_backbone_lr = next_lr
+            if self.verbose:
+                rank_zero_info(
+                    f"Current lr: {round(current_lr, self.rounding)}, Backbone lr: {round(next_lr, self.rounding)}"
+                )
+
+
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "FinetuneOptimizer", "multiplicative"]
