@@ -14,8 +14,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import numbers
 import os
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -141,6 +143,7 @@ class TrainerConfig:
         device_memory: int | str | None = None,
     ) -> TrainerConfig:
         """Check every argument (raising :class:`MisconfigurationError` with the numbers) and resolve it."""
+        check_types(locals())
         if accelerator not in ("auto", "cpu", "gpu", "cuda", "tpu"):
             raise MisconfigurationError(f"accelerator={accelerator!r}; choose 'auto', 'cpu', 'gpu' or 'tpu'")
         if accelerator not in ("auto",) and jax.default_backend() != {"cuda": "gpu"}.get(accelerator, accelerator):
@@ -198,6 +201,15 @@ class TrainerConfig:
             max_epochs = 1000 if max_steps == -1 and max_time is None else -1
         if max_steps is None or max_steps < -1:
             raise MisconfigurationError(f"max_steps must be -1 (no limit) or >= 0, got {max_steps}")
+        if max_epochs < -1:
+            raise MisconfigurationError(f"max_epochs must be -1 (no limit) or >= 0, got {max_epochs}")
+        for name, value in (("min_epochs", min_epochs), ("min_steps", min_steps)):
+            if value is not None and value < 0:
+                raise MisconfigurationError(f"{name} must be >= 0 (or None: no minimum), got {value}")
+        if num_sanity_val_steps is not None and num_sanity_val_steps < -1:
+            raise MisconfigurationError(
+                f"num_sanity_val_steps must be -1 (every validation batch) or >= 0, got {num_sanity_val_steps}"
+            )
         if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
             raise MisconfigurationError(
                 f"val_check_interval={val_check_interval} is a fraction of an epoch, but check_val_every_n_epoch=None "
@@ -307,6 +319,57 @@ class ConfigAttributes:
         return self.config.precision.name
 
 
+# Integer arguments, and what each accepts (the type check runs before any range check compares them)
+_INT_ARGUMENTS = {
+    "max_epochs": "an int (-1: no limit) or None",
+    "min_epochs": "an int >= 0 or None",
+    "max_steps": "an int (-1: no limit)",
+    "min_steps": "an int >= 0 or None",
+    "num_sanity_val_steps": "an int (-1: every validation batch) or None",
+    "log_every_n_steps": "an int >= 1 or None",
+    "check_val_every_n_epoch": "an int >= 1 or None",
+    "accumulate_grad_batches": "an int >= 1",
+    "num_nodes": "an int >= 1",
+    "seed": "an int or None",
+}
+_FLAG_ARGUMENTS = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "process_local_batches")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_types(arguments: Mapping[str, Any]) -> None:
+    """Refuse a ``Trainer`` argument of the wrong type, naming it, its value and its type.
+
+    Runs before the range checks, so ``max_steps="10"`` is a :class:`MisconfigurationError` saying so rather
+    than a ``TypeError`` from comparing a string with -1.
+    """
+    for name, accepted in _INT_ARGUMENTS.items():
+        value = arguments.get(name)
+        if value is not None and not _is_int(value):
+            raise MisconfigurationError(f"{name} must be {accepted}, got {value!r} ({type(value).__name__})")
+    for name in _FLAG_ARGUMENTS:
+        value = arguments.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise MisconfigurationError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__})")
+    fdr = arguments.get("fast_dev_run", False)
+    if not isinstance(fdr, bool) and not _is_int(fdr):
+        raise MisconfigurationError(f"fast_dev_run must be a bool or an int >= 0, got {fdr!r} ({type(fdr).__name__})")
+    vci = arguments.get("val_check_interval")
+    if vci is not None and (isinstance(vci, bool) or not isinstance(vci, (numbers.Integral, float))):
+        raise MisconfigurationError(
+            f"val_check_interval must be an int (batches) or a float in (0, 1] (a fraction of an epoch), "
+            f"got {vci!r} ({type(vci).__name__})"
+        )
+    clip = arguments.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not math.isfinite(clip)):
+        raise MisconfigurationError(f"gradient_clip_val must be a finite number >= 0 or None, got {clip!r}")
+    root = arguments.get("default_root_dir")
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise MisconfigurationError(f"default_root_dir must be a path (str or os.PathLike), got {type(root).__name__}")
+
+
 def check_limit(name: str, value: Limit) -> Limit:
     """A ``limit_*_batches`` value: None, an int >= 0 (batches) or a float in [0, 1] (a fraction)."""
     if value is None:
@@ -339,6 +402,13 @@ def resolve_devices(devices: Any) -> list[Any]:
         bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < len(local))]
         if bad:
             raise MisconfigurationError(f"devices={ids}: indices {bad} do not exist ({len(local)} local devices)")
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise MisconfigurationError(
+                f"devices={ids} names device(s) {repeated} more than once; list each local device index once"
+            )
+        if not ids:
+            raise MisconfigurationError("devices=[] names no device; give at least one local device index")
         picked = [local[i] for i in ids]
     else:
         raise MisconfigurationError(f"devices must be an int, a list of device indices, -1 or 'auto', got {devices!r}")
@@ -350,6 +420,45 @@ def resolve_devices(devices: Any) -> list[Any]:
     for d in jax.devices():
         by_proc[d.process_index].append(d)
     return [d for p in sorted(by_proc) for d in by_proc[p][:n]]
+
+
+def unwritable_reason(path: str | os.PathLike) -> str | None:
+    """Why a new file cannot be created in directory ``path`` (or, when it does not exist yet, in its nearest
+    existing parent, where it would be made); None when one can. Probes with a real file: permission bits
+    say nothing about read-only mounts, and nothing at all to root."""
+    here = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(here):
+        if os.path.lexists(here):
+            return f"but {here!r} is not a directory"
+        parent = os.path.dirname(here)
+        if parent == here:
+            return "but none of its parents exists"
+        here = parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jaxlight-write-check-", dir=here)
+    except OSError as e:
+        return f"but {here!r} does not take new files ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def check_log_dirs(loggers: Iterable[Logger]) -> None:
+    """Refuse a logger whose local directory cannot be written: called at fit start (process 0), before any
+    step is compiled, so a read-only log directory fails now rather than when the first metrics are flushed."""
+    for lg in loggers:
+        try:
+            path = lg.log_dir
+        except Exception:  # a tracker that only knows its directory once its run exists: nothing to check
+            continue
+        if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):  # None, or a remote URI
+            continue
+        reason = unwritable_reason(path)
+        if reason is not None:
+            raise MisconfigurationError(
+                f"{type(lg).__name__} writes its logs to {os.fspath(path)!r}, {reason}; make it writable, or pass "
+                f"the logger another save_dir (or the Trainer another default_root_dir)"
+            )
 
 
 def resolve_loggers(logger: Logger | Iterable[Logger] | bool | None, default_root_dir: str) -> list[Logger]:
@@ -373,6 +482,9 @@ __all__ = [
     "ConfigAttributes",
     "TrainerConfig",
     "check_limit",
+    "check_log_dirs",
+    "check_types",
     "resolve_devices",
     "resolve_loggers",
+    "unwritable_reason",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -284,6 +284,9 @@ class BatchPlacer:
         return jax.tree_util.tree_map_with_path(put, batch)
 
 
+POLL_INTERVAL = 0.1
+"""Seconds between two looks at a stop request while the loop waits for the prefetcher's next batch."""
+
 # Extra keys jaxlight adds to a loader's saved state (removed before ``load_state_dict``).
 GENERATOR_KEY = "_jaxlight_generator_state"
 FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
@@ -376,7 +379,11 @@ class Prefetcher:
     row count is the first batch's rounded up to the mesh's batch axes, and
     any shorter batch is padded to it (:func:`pad_rows`) with its real row
     count in ``Prefetched.valid``; only a batch longer than the compiled
-    shape raises.
+    shape raises. Training batches must keep the first batch's (or the
+    compiled step's, ``signature``) structure, non-row dims and dtypes
+    (:func:`check_signature`). ``interrupt(waiting)``, when given, is called
+    before each batch is taken and every ``POLL_INTERVAL`` seconds while the
+    consumer waits for one; it may raise to stop the loop (a preemption).
     """
 
     _END = object()
@@ -394,9 +401,13 @@ class Prefetcher:
         expected_rows: int | None = None,
         loader_state: Any = None,
         pad: bool = False,
+        interrupt: Callable[[bool], None] | None = None,
+        signature: BatchSignature | None = None,
     ) -> None:
         self.loader = loader
         self.pad = pad
+        self.interrupt = interrupt
+        self.signature = signature
         self.placer = placer
         self.limit = limit
         self.start = start
@@ -406,6 +417,7 @@ class Prefetcher:
         self.expected_rows = expected_rows
         self.dropped = 0
         self._stop = threading.Event()
+        self._interrupted = False
         self._inline: Iterator[Prefetched] | None = None
         self._thread: threading.Thread | None = None
         if reads_inline(loader, placer, depth):  # no thread: each batch is read and placed when the loop asks
@@ -439,6 +451,7 @@ class Prefetcher:
                 yield Prefetched(i, self.placer.place_flat(pleaves, ptreedef), grows, state, valid)
                 i += 1
                 continue
+            check_signature(self, leaves, treedef, i)
             grows = self.placer.global_rows(rows)
             if self.expected_rows is None:
                 self.expected_rows = grows
@@ -532,14 +545,31 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Prefetched:
+        if self.interrupt is not None:
+            self._poll(False)  # may raise: a stop was requested between batches
         if self._inline is not None:
             return next(self._inline)
-        item = self._q.get()
+        item = self._q.get() if self.interrupt is None else self._get_polling()
         if item is self._END:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def _get_polling(self) -> Any:
+        # A stalled loader (a hung network file system) must not make a stop request wait for it.
+        while True:
+            try:
+                return self._q.get(timeout=POLL_INTERVAL)
+            except queue.Empty:
+                self._poll(True)
+
+    def _poll(self, waiting: bool) -> None:
+        try:
+            self.interrupt(waiting)  # type: ignore[misc]
+        except BaseException:
+            self._interrupted = True  # close() then does not wait for a thread that may be stuck in the loader
+            raise
 
     def close(self) -> None:
         self._stop.set()
@@ -552,7 +582,52 @@ class Prefetcher:
                 self._q.get_nowait()
         except queue.Empty:
             pass
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0 if self._interrupted else 5)
+
+
+BatchSignature = tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]
+"""``(treedef, ((shape without the row dim, dtype), ...))``: what a train step is compiled for, rows aside."""
+
+
+def batch_signature(leaves: Sequence[Any], treedef: Any) -> BatchSignature:
+    """The signature of a flattened host batch (dtypes as the device will hold them: int64 -> int32 without x64)."""
+    return treedef, tuple((tuple(x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype)) for x in leaves)
+
+
+def compiled_signature(compiled: Any) -> BatchSignature | None:
+    """The batch signature a compiled train step ``(state, batch, ...)`` takes (None when it does not say)."""
+    try:
+        infos, treedef = jax.tree.flatten(compiled.args_info[0][1])
+        return treedef, tuple((tuple(a.shape[1:]), jax.dtypes.canonicalize_dtype(a.dtype)) for a in infos)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def check_signature(fetcher: Prefetcher, leaves: list[Any], treedef: Any, index: int) -> None:
+    """Raise a :class:`BatchError` naming the leaf when a train batch's structure, non-row dims or dtypes
+    differ from the first batch's (or the compiled step's); a different row count is left to the row checks."""
+    sig = batch_signature(leaves, treedef)
+    if fetcher.signature is None:
+        fetcher.signature = sig
+        return
+    if sig == fetcher.signature:
+        return
+    old_tree, old = fetcher.signature
+    where = f"{fetcher.stage} batch {index}"
+    if treedef != old_tree:
+        raise BatchError(f"{where} has structure {treedef} but the step was compiled for {old_tree}")
+    paths = [
+        jax.tree_util.keystr(p) or "<root>"
+        for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(treedef, leaves))[0]
+    ]
+    for path, leaf, new_leaf, (old_shape, old_dtype) in zip(paths, leaves, sig[1], old):
+        if new_leaf != (old_shape, old_dtype):
+            rows = leaf.shape[0]
+            raise BatchError(
+                f"{where}: leaf {path} has shape {tuple(leaf.shape)} {np.dtype(leaf.dtype).name} but the step was "
+                f"compiled for {(rows, *old_shape)} {np.dtype(old_dtype).name} (rows aside: only the leading, "
+                f"batch dim may change between batches); make the loader yield one shape and dtype per leaf"
+            )
 
 
 def _is_tensor(x: Any) -> bool:

@@ -11,6 +11,8 @@ share of every batch (``Trainer(process_local_batches=True)`` with
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -247,6 +249,119 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
     _client("barrier").wait_at_barrier(name, int(timeout_s * 1000))
 
 
+class ProcessesNotResponding(RuntimeError):
+    """Processes that did not reach a :func:`wait_for_processes` within its timeout.
+
+    ``missing``: the process indices that did not arrive; ``gone``: those of them the coordination
+    service no longer hears from (dead, or cut off), as far as it could tell."""
+
+    def __init__(self, name: str, waited_s: float, missing: Sequence[int], gone: Sequence[int]) -> None:
+        self.name, self.waited_s, self.missing, self.gone = name, waited_s, list(missing), list(gone)
+        alive = [p for p in self.missing if p not in self.gone]
+        parts = []
+        if self.gone:
+            parts.append(f"process(es) {self.gone} stopped answering the coordination service (dead?)")
+        if alive:
+            parts.append(f"process(es) {alive} are alive but did not arrive (stuck?)")
+        super().__init__(
+            f"process {jax.process_index()} waited {waited_s:.0f} s at {name!r} for {self.missing}: {'; '.join(parts)}"
+        )
+
+
+class Heartbeat:
+    """A beat every ``interval_s`` seconds in the coordination service's key-value store, so that any
+    process can tell which peers are gone (their beat stopped) from those alive but stuck.
+
+    A background thread publishes this process's beat and reads everyone's (two small RPCs per
+    interval, during ``fit`` only); :meth:`gone` reads what it saw, without waiting. A process whose
+    main thread is blocked in a collective still beats: only a dead or cut-off process stops. A no-op
+    in a single process.
+    """
+
+    def __init__(self, namespace: str, interval_s: float = 1.0) -> None:
+        self.namespace, self.interval_s = namespace, interval_s
+        self._stop = threading.Event()
+        self._moved_at: dict[int, float] = {}
+        self._values: dict[int, str] = {}
+        self._started = self._answered_at = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        if jax.process_count() > 1 and self._thread is None:
+            self._started = self._answered_at = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="jaxlight-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 1.0)
+
+    def _run(self) -> None:
+        client, me, beat = compat.distributed_client(), jax.process_index(), 0
+        if client is None:
+            return
+        while True:
+            beat += 1
+            try:
+                client.key_value_set(f"{self.namespace}/{me}", str(beat), allow_overwrite=True)
+                seen = client.key_value_dir_get(f"{self.namespace}/")
+                now = self._answered_at = time.monotonic()
+                for key, value in seen:
+                    p = int(key.rsplit("/", 1)[-1])
+                    if self._values.get(p) != value:
+                        self._values[p], self._moved_at[p] = value, now
+            except Exception:  # the coordinator does not answer: gone() says so once it is stale
+                pass
+            if self._stop.wait(self.interval_s):
+                return
+
+    def gone(self, stale_s: float | None = None) -> list[int] | None:
+        """The other processes whose beat has not moved for ``stale_s`` seconds (default: 5 intervals,
+        at least 5 s); None when the coordination service itself has not answered for that long (it
+        runs in process 0, which may be the one gone). [] in a single process."""
+        if self._thread is None:
+            return []
+        stale = max(5 * self.interval_s, 5.0) if stale_s is None else stale_s
+        now = time.monotonic()
+        if now - self._answered_at > stale:
+            return None
+        me = jax.process_index()
+        return [p for p in range(jax.process_count()) if p != me and now - self._moved_at.get(p, self._started) > stale]
+
+
+def wait_for_processes(
+    name: str, timeout_s: float = 300.0, heartbeat: Heartbeat | None = None, poll_s: float = 0.05
+) -> None:
+    """Wait until every process has called ``wait_for_processes(name)`` (a barrier; ``name`` unique per use).
+
+    Unlike :func:`barrier`, a timeout says who is missing: raises :class:`ProcessesNotResponding` naming
+    the processes that did not arrive within ``timeout_s`` and, with a running ``heartbeat``, which of
+    them are gone (it stops waiting as soon as one is). A no-op in a single process."""
+    n = jax.process_count()
+    if n == 1:
+        return
+    client = _client("wait_for_processes")
+    client.key_value_set(f"{name}/{jax.process_index()}", "1")
+    started = time.monotonic()
+    deadline = started + timeout_s
+    arrived: set[int] = set()
+    while True:
+        try:
+            arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{name}/")}
+        except Exception:  # the coordinator is unreachable: nobody can be seen arriving
+            pass
+        gone = heartbeat.gone() if heartbeat is not None else []
+        if len(arrived) >= n or time.monotonic() >= deadline or gone is None or set(gone) - arrived:
+            break
+        time.sleep(poll_s)
+    missing = sorted(set(range(n)) - arrived)
+    if missing:
+        gone = heartbeat.gone() if heartbeat is not None else []
+        raise ProcessesNotResponding(name, time.monotonic() - started, missing, missing if gone is None else gone)
+
+
 def kv_set(key: str, value: str) -> None:
     """Publish ``value`` under ``key`` in the coordination service (multi-process runs only)."""
     _client("kv_set").key_value_set(key, value)
@@ -265,6 +380,8 @@ def kv_try_get(key: str) -> str | None:
 
 __all__ = [
     "ClusterSpec",
+    "Heartbeat",
+    "ProcessesNotResponding",
     "barrier",
     "broadcast_bool",
     "broadcast_int",
@@ -280,4 +397,5 @@ __all__ = [
     "process_index",
     "processes_where",
     "shutdown",
+    "wait_for_processes",
 ]

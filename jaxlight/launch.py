@@ -9,11 +9,13 @@ localhost port, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; also ``RANK``, ``LOCA
 ``K`` GPUs (``CUDA_VISIBLE_DEVICES``). Every line a process prints is prefixed with
 ``[rank i]``. SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher are
 forwarded to every process (each runs in its own process group), so a scheduler's
-preemption signal reaches all of them; a second SIGINT kills them. When a process exits
-with a non-zero status, the others get ``--grace-period`` seconds to finish, then SIGTERM,
-then SIGKILL after as long again (not after a forwarded signal: then every process is already
-stopping, possibly writing a checkpoint). The launcher exits with the first non-zero status
-(128 + N for a process killed by signal N), or 0.
+preemption signal reaches all of them; a second SIGINT kills them. Either way the launcher escalates
+once: processes still running ``--grace-period`` seconds after a forwarded SIGTERM, SIGINT or SIGHUP
+get SIGKILL (so the grace period must cover a preemption checkpoint's save); when a process exits
+with a non-zero status, the others get ``--grace-period`` seconds to exit on their own, then SIGTERM
+and, ``TERM_TO_KILL_S`` seconds later, SIGKILL (with a peer gone no checkpoint can be written, so
+nothing is worth a second grace period). The launcher exits with the first non-zero status (128 + N
+for a process killed by signal N), or 0.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ examples:
 The script must call jaxlight.distributed.initialize() (LightningCLI does) before it uses JAX."""
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGUSR1/2 are notices: nothing escalates
+DEFAULT_GRACE_PERIOD = 30.0
+TERM_TO_KILL_S = 2.0  # after a failure: from the launcher's own SIGTERM to SIGKILL
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
 
 
@@ -183,7 +188,7 @@ class Launcher:
         *,
         accelerator: str = "auto",
         port: int | None = None,
-        grace_period: float = 10.0,
+        grace_period: float = DEFAULT_GRACE_PERIOD,
         prefix: bool = True,
         env: Mapping[str, str] | None = None,
         stdout: IO[bytes] | None = None,
@@ -209,6 +214,7 @@ class Launcher:
         self.exit_codes: list[int | None] = [None] * nprocs
         self.first_failure: tuple[int, int] | None = None  # (rank, status)
         self.signals_received: list[int] = []
+        self._kill_at: float | None = None  # when the processes still running get SIGKILL (one escalation)
         self._lock = threading.Lock()
         self._pumps: list[threading.Thread] = []
 
@@ -248,6 +254,8 @@ class Launcher:
             self._signal_all(signal.SIGKILL)  # a second Ctrl-C: stop waiting
         else:
             self._signal_all(signum)
+        if signum in STOPPING_SIGNALS and self._kill_at is None:
+            self._kill_at = time.monotonic() + self.grace_period
         self.signals_received.append(signum)
 
     # -- the run
@@ -273,8 +281,7 @@ class Launcher:
 
     def wait(self, poll_interval: float = 0.05) -> int:
         """Wait for every process; stop the others after a failure; return the launch's exit status."""
-        deadline_term: float | None = None
-        deadline_kill: float | None = None
+        term_at: float | None = None  # after a failure: when the others get SIGTERM
         while any(c is None for c in self.exit_codes):
             for rank, p in enumerate(self.procs):
                 if self.exit_codes[rank] is None and (rc := p.poll()) is not None:
@@ -289,16 +296,21 @@ class Launcher:
                         if left:
                             self._say(
                                 f"rank {rank} exited with status {status}; stopping the other {left} process(es) "
-                                f"if they have not exited within {self.grace_period:g} s"
+                                f"if they have not exited within {self.grace_period:g} s (SIGTERM, then SIGKILL "
+                                f"{TERM_TO_KILL_S:g} s later)"
                             )
-                        deadline_term = time.monotonic() + self.grace_period
-            now = time.monotonic()
-            if deadline_term is not None and now >= deadline_term:
+                            term_at = time.monotonic() + self.grace_period
+            if term_at is not None and time.monotonic() >= term_at:
                 self._signal_all(signal.SIGTERM)
-                deadline_term, deadline_kill = None, now + max(self.grace_period, 1.0)
-            if deadline_kill is not None and now >= deadline_kill:
+                term_at = None
+                if self._kill_at is None:
+                    self._kill_at = time.monotonic() + TERM_TO_KILL_S
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                running = [r for r, c in enumerate(self.exit_codes) if c is None and self.procs[r].poll() is None]
+                if running:
+                    self._say(f"rank(s) {running} still running: SIGKILL")
                 self._signal_all(signal.SIGKILL)
-                deadline_kill = None
+                self._kill_at = None
             time.sleep(poll_interval)
         for t in self._pumps:
             t.join(timeout=5.0)
@@ -325,7 +337,7 @@ def launch(
     *,
     accelerator: str = "auto",
     port: int | None = None,
-    grace_period: float = 10.0,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
     prefix: bool = True,
 ) -> int:
     """Run ``cmd`` as ``nprocs`` processes of one multi-process run; returns the exit status (see the module doc)."""
@@ -362,9 +374,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grace-period",
         type=float,
-        default=10.0,
+        default=DEFAULT_GRACE_PERIOD,
         metavar="SECONDS",
-        help="after a process fails, how long the others may run before SIGTERM (and as long again before SIGKILL)",
+        help="how long processes may run after a forwarded SIGTERM/SIGINT/SIGHUP before SIGKILL (leave time for a "
+        "preemption checkpoint), or after another process failed before SIGTERM (default: %(default)s)",
     )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank i]")
     how = p.add_mutually_exclusive_group()

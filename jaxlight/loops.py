@@ -14,19 +14,21 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
+from jaxlight.callbacks.preemption import stop_poll
 from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
 from jaxlight.config import TrainerConfig
-from jaxlight.data import BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
+from jaxlight.data import BatchPlacer, Prefetcher, compiled_signature, is_loader_collection, num_batches, tail_rows
 from jaxlight.errors import BatchError, MisconfigurationError
 from jaxlight.grain_data import adapt_loaders, set_loader_epoch
 from jaxlight.hooks import overrides, takes_argument
-from jaxlight.rank_zero import rank_zero_info
+from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -227,6 +229,8 @@ def prefetcher(
         expected_rows=parts.engine.batch_rows.get(key or stage.name) if train else None,
         loader_state=loader_state,
         pad=not train,
+        interrupt=stop_poll(parts.hooks.callbacks),
+        signature=compiled_signature(parts.engine.compiled.get("train")) if train else None,
     )
 
 
@@ -374,6 +378,39 @@ class EvalLoop:
 
 
 # ---------------------------------------------------------------------------- training
+def _describe_loader(loader: Any) -> str:
+    return f"{type(loader).__name__} {reprlib.repr(loader)}"
+
+
+def warn_if_empty(loader: Any) -> None:
+    """Lightning's warning for a train loader of length 0: fit then trains nothing (said once per fit)."""
+    if num_batches(loader) == 0:
+        rank_zero_warn(
+            f"the train loader ({_describe_loader(loader)}) has length 0: fit trains nothing. "
+            f"Make sure this was your intention"
+        )
+
+
+def empty_epoch_error(loader: Any, epoch: int, dropped: int) -> MisconfigurationError:
+    """The error for an epoch in which the train loader yielded no batch (run on, fit would spin on empty
+    epochs until ``max_epochs``, or forever under ``max_steps``)."""
+    n = num_batches(loader)
+    why = ""
+    if dropped:
+        why = f"; all {dropped} batches it yielded were ragged and dropped (ragged_batches='drop')"
+    elif n:
+        why = f" although its length is {n}"
+    elif epoch:
+        why = (
+            ": a one-shot iterator or generator is used up after one epoch; pass a loader that starts over on "
+            "every iter() (a list, a DataLoader)"
+        )
+    return MisconfigurationError(
+        f"the train loader ({_describe_loader(loader)}) yielded no batch in epoch {epoch}{why}; "
+        f"fit stops rather than run empty epochs"
+    )
+
+
 class FitLoop:
     """Epochs of train batches, validation inside them, epoch-end hooks; stops on the configured limits."""
 
@@ -476,6 +513,7 @@ class FitLoop:
     def run(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
         parts, config, state, pos = self.parts, self.config, self.state, self.position
         hooks, engine, reporter = parts.hooks, parts.engine, parts.reporter
+        warn_if_empty(train_loader)
         if self.finished():
             return
         state.training = True
@@ -539,6 +577,8 @@ class FitLoop:
                         break
             finally:
                 fetcher.close()  # the run-ahead bound spans epochs: one wait per step, RUN_AHEAD steps behind
+            if exhausted and start == 0 and pos.batches_in_epoch == 0:  # no batch at all: never loop on
+                raise empty_epoch_error(train_loader, pos.epoch, fetcher.dropped)
             pos.epoch_finished = exhausted
             if (
                 self.validation_enabled(val_loaders)
@@ -579,8 +619,10 @@ __all__ = [
     "RunAhead",
     "RunState",
     "batch_limit",
+    "empty_epoch_error",
     "loader_for",
     "prefetcher",
     "stage_run",
     "train_batches",
+    "warn_if_empty",
 ]

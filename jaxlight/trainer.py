@@ -30,7 +30,7 @@ from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.model_summary import ModelSummary
 from jaxlight.callbacks.progress import TQDMProgressBar
 from jaxlight.compile_cache import configure_compile_cache
-from jaxlight.config import ConfigAttributes, TrainerConfig
+from jaxlight.config import ConfigAttributes, TrainerConfig, check_log_dirs
 from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
@@ -361,6 +361,7 @@ class Trainer(ConfigAttributes):
             if self.loggers and self.is_global_zero:
                 if ckpt_path is not None and (ckpt_path != "last" or checkpoint.find_last_checkpoint(self) is not None):
                     checkpoint.restore_logger_states(self, ckpt_path)  # a resumed run keeps logging into its own runs
+                check_log_dirs(self.loggers)  # a read-only log directory is refused now, not at the first flush
                 LoggerCollection(self.loggers).setup()  # a misconfigured tracker fails before any compile
             if self.auto_strategy is not None:  # strategy="auto": pick the layout by memory (planner.py)
                 chosen = self.auto_strategy.choose(self, self._devices, train_loader)

@@ -1,10 +1,14 @@
-"""Preemption: turn a scheduler's SIGTERM into a clean stop with a resumable checkpoint."""
+"""Preemption: turn a scheduler's SIGTERM (or a Ctrl-C) into a clean stop with a resumable checkpoint."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import signal
+import socket
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # collectives tie them together), so this leaves room for the slowest to learn
 # of the request before it passes the agreed point.
 AGREE_MARGIN = 8
-_KV_TIMEOUT_MS = 300_000
+_KV_TIMEOUT_S = 300.0
+_WATCH_INTERVAL = 0.25  # seconds between two looks of the watcher at a pending stop
 
 
 _FIT_COUNTER = itertools.count(1)
@@ -32,38 +37,70 @@ _FIT_COUNTER = itertools.count(1)
 class Preemption(Callback):
     """Stops ``fit`` cleanly when a preemption signal arrives (on by default).
 
-    The signal handler only records the signal. At the end of the current
-    train step the run stops, the checkpoint and the data position are written
-    synchronously (by the first of the trainer's checkpoint callbacks whose
+    The signal handler only records the signal. The run stops at the next point
+    where the trainer's state is the one of a completed step: the end of a train
+    step, or, while the loop waits for a batch (a stalled loader), in
+    validation, or between epochs, at once. The checkpoint and the data position
+    of the last completed step are written synchronously (by the first of the
+    trainer's checkpoint callbacks whose
     :meth:`~jaxlight.callbacks.Callback.save_now` writes one, e.g.
     ``ModelCheckpoint``), and ``fit`` raises :class:`jaxlight.Preempted` (a
-    ``SystemExit`` with code 143).
+    ``SystemExit`` with code 143). Nothing is written when no train step has
+    completed since ``fit`` started (the checkpoint resumed from is the latest).
     Running the same script with ``ckpt_path="last"`` resumes at that point.
+
+    A second signal ends the process at once (exit status 128 + the signal).
+    When the main thread reaches no stop point within ``stop_timeout`` seconds
+    of the signal (it is blocked inside a loader with ``prefetch=0``, or in a
+    collective whose peer process died), the process exits with status 143
+    without a checkpoint, after saying where the main thread was and which
+    processes the coordination service no longer hears from; None waits
+    without bound. Both work while the main thread is blocked in native code
+    (a background thread reads the signals through ``signal.set_wakeup_fd``).
 
     In a multi-process run the signal may reach one process only: it publishes
     a stop position (its step + ``AGREE_MARGIN`` micro-batches) in the
     ``jax.distributed`` key-value store, every process polls that key once per
     step (a local RPC, no device sync), and all of them stop at that same
-    step and write one consistent checkpoint. Single-process runs pay no
-    per-step cost beyond reading a Python attribute. Handlers are installed
-    for the duration of ``fit`` only (from the main thread) and the previous
-    handlers are put back afterwards.
+    step and write one consistent checkpoint, after waiting (at most
+    ``stop_timeout`` seconds, naming the processes that do not arrive) until
+    every process is there. A process that cannot reach a consistent stop
+    (its loader stalled, so its peers wait for it in a collective) exits
+    without a checkpoint. Single-process runs pay no per-step cost beyond
+    reading a Python attribute. Handlers are installed for the duration of
+    ``fit`` only (from the main thread) and the previous handlers are put back
+    afterwards.
     """
 
-    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,), verbose: bool = True) -> None:
+    def __init__(
+        self,
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+        verbose: bool = True,
+        stop_timeout: float | None = 120.0,
+    ) -> None:
         sigs = tuple(signals)
         for s in sigs:
             if not isinstance(s, int):
                 raise ValueError(f"signals must be signal numbers (e.g. signal.SIGTERM), got {s!r}")
             if s in (signal.SIGKILL, signal.SIGSTOP):
                 raise ValueError(f"signal {signal.Signals(s).name} cannot be caught")
+        if stop_timeout is not None and not (isinstance(stop_timeout, (int, float)) and stop_timeout > 0):
+            raise ValueError(f"stop_timeout must be a number of seconds > 0 or None, got {stop_timeout!r}")
         self.signals = sigs
         self.verbose = verbose
-        self.received: int | None = None  # the first signal caught (set by the handler, nothing else)
+        self.stop_timeout = stop_timeout
+        self.received: int | None = None  # the first signal caught (set by the handler or the watcher)
         self._previous: dict[int, Any] = {}
         self._stop_at: int | None = None  # agreed micro-batch count to stop after
         self._announced = False
         self._ns = ""
+        self._trainer: Trainer | None = None
+        self._fit_start_micro: int | None = None  # micro-batches done when this fit started (after a restore)
+        self._watch: _SignalWatch | None = None
+        self._received_at = 0.0  # time.monotonic() of the first signal
+        self._progress_at = 0.0  # ... of the last batch the loop took
+        self._stopping = False  # the stop (its checkpoint) is being written
+        self._heartbeat: distributed.Heartbeat | None = None  # multi-process: which peers are gone
 
     @property
     def state_key(self) -> str:
@@ -71,30 +108,66 @@ class Preemption(Callback):
 
     # ------------------------------------------------------------------ handlers
     def _handler(self, signum: int, frame: Any) -> None:
+        # With the watcher running, it counts the signals (it sees them even while this handler cannot run).
+        if self._watch is None and self.received is not None:
+            _exit_at_once(signum)
+        self._record(signum)
+
+    def _record(self, signum: int) -> None:
         if self.received is None:
+            self._received_at = time.monotonic()
             self.received = signum
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
         self.received, self._stop_at, self._announced = None, None, False
+        self._stopping, self._fit_start_micro = False, None
+        self._trainer = trainer
         # Process-wide fit counter: every process runs the same sequence of fits (SPMD), so the
         # namespace agrees across processes, and a key left by an earlier fit is never reused.
         self._ns = f"jaxlight/preempt/{next(_FIT_COUNTER)}"
+        if jax.process_count() > 1:
+            self._heartbeat = distributed.Heartbeat(f"{self._ns}/beat").start()
         if threading.current_thread() is not threading.main_thread():
             if self.verbose:
                 rank_zero_info("jaxlight: Preemption handler not installed (fit is not running in the main thread)")
             return
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
+        self._watch = _SignalWatch.start(self)
 
     def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         for s, h in self._previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         self._previous = {}
+        self._trainer = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self._fit_start_micro = trainer.position.micro_batches  # after a restore: what this fit starts from
+        self._progress_at = time.monotonic()
 
     # ------------------------------------------------------------------ the stop point
+    def poll(self, waiting: bool = False) -> None:
+        """Called by the loops before each batch is taken (``waiting=False``) and every
+        ``jaxlight.data.POLL_INTERVAL`` seconds while they wait for one (``waiting=True``): in a single
+        process a pending stop happens here (the state is the last completed step's); in a multi-process
+        run only at the agreed step (see the class doc)."""
+        if not waiting:
+            self._progress_at = time.monotonic()
+        if self.received is None or self._stopping or self._trainer is None:
+            return
+        if jax.process_count() == 1:
+            self._stop(self._trainer)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._progress_at = time.monotonic()
         if jax.process_count() == 1:
             if self.received is not None:
                 self._stop(trainer)
@@ -105,7 +178,7 @@ class Preemption(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         # A signal during the last step(s): training is over, but the scheduler still wants the process gone.
         if jax.process_count() > 1:
-            distributed.barrier(f"{self._ns}/end", _KV_TIMEOUT_MS / 1000)
+            distributed.wait_for_processes(f"{self._ns}/end", _KV_TIMEOUT_S, self._heartbeat)
             requested = self.received is not None or distributed.kv_try_get(f"{self._ns}/stop_at") is not None
         else:
             requested = self.received is not None
@@ -133,20 +206,169 @@ class Preemption(Callback):
         return here >= self._stop_at
 
     def _stop(self, trainer: Trainer) -> None:
+        self._stopping = True
         signum = self.received
         path = None
-        for cb in trainer.checkpoint_callbacks:  # the first one that writes a checkpoint on demand
-            path = cb.save_now(trainer, reason="preemption")
+        trained = self._fit_start_micro is None or trainer.position.micro_batches > self._fit_start_micro
+        where = "no checkpoint written (checkpointing is disabled)"
+        if not trained:
+            where = "no train step completed since fit started, so no checkpoint was written"
+        elif jax.process_count() > 1:
+            try:  # the save is collective: enter it only when every process is at the stop point
+                distributed.wait_for_processes(f"{self._ns}/stop", self.stop_timeout or _KV_TIMEOUT_S, self._heartbeat)
+            except distributed.ProcessesNotResponding as e:
+                trained, where = False, f"no checkpoint written: {e}"
+        if trained:
+            for cb in trainer.checkpoint_callbacks:  # the first one that writes a checkpoint on demand
+                path = cb.save_now(trainer, reason="preemption")
+                if path:
+                    break
+            for cb in trainer.checkpoint_callbacks:  # the others finish what they started
+                cb.wait_until_finished()
             if path:
-                break
-        for cb in trainer.checkpoint_callbacks:  # the others finish what they started
-            cb.wait_until_finished()
+                where = f"checkpoint written to {path}"
         if self.verbose:
             name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
-            where = f"checkpoint written to {path}" if path else "no checkpoint written (checkpointing is disabled)"
+            again = " Run again with ckpt_path='last' to resume." if path else ""
             rank_zero_info(
                 f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
-                f"(epoch {trainer.current_epoch}, batch {trainer.position.batches_in_epoch}); {where}. "
-                f"Run again with ckpt_path='last' to resume."
+                f"(epoch {trainer.current_epoch}, batch {trainer.position.batches_in_epoch}); {where}.{again}",
             )
         raise Preempted(trainer.global_step, path, signum)
+
+    # ------------------------------------------------------------------ the watcher's side
+    def _gone(self) -> list[int] | None:
+        """The peer processes that stopped beating ([] in a single process; None: the coordinator is gone)."""
+        return self._heartbeat.gone() if self._heartbeat is not None else []
+
+    def _overdue(self) -> bool:
+        """A signal is pending and the main thread took no batch for ``stop_timeout`` seconds (while a
+        checkpoint is being written, the save is left to finish)."""
+        if self.received is None or self.stop_timeout is None or self._stopping:
+            return False
+        return time.monotonic() - max(self._received_at, self._progress_at) >= self.stop_timeout
+
+
+def stop_poll(callbacks: Sequence[Callback]) -> Any:
+    """The :meth:`Preemption.poll` of the first Preemption callback among ``callbacks`` (what the loops hand
+    their prefetchers), or None."""
+    return next((c.poll for c in callbacks if isinstance(c, Preemption)), None)
+
+
+def _exit_at_once(signum: int) -> None:
+    _say(f"jaxlight: received {signal.Signals(signum).name} again; exiting at once without a checkpoint")
+    os._exit(128 + signum)
+
+
+def _say(message: str) -> None:
+    # os.write, not print: the main thread may be blocked holding sys.stderr's lock
+    try:
+        os.write(2, (message + "\n").encode())
+    except OSError:
+        pass
+
+
+def _main_thread_at(depth: int = 3) -> str:
+    """Where the main thread is: the innermost ``depth`` frames of its stack, innermost first."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    where = []
+    while frame is not None and len(where) < depth:
+        where.append(f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+        frame = frame.f_back
+    return " < ".join(where) or "an unknown place"
+
+
+class _SignalWatch:
+    """Reads the signal numbers Python's C-level handler writes to the wakeup fd, on a daemon thread.
+
+    A Python signal handler runs only when the main thread executes bytecode; blocked in native code (a
+    collective waiting for a dead peer, a device wait) it never does. This thread sees every signal as
+    it arrives: the first is recorded, a second ends the process at once, and a stop that does not come
+    within ``stop_timeout`` ends it with status 143 and a diagnosis.
+    """
+
+    def __init__(self, owner: Preemption, r: socket.socket, w: socket.socket) -> None:
+        self.owner, self._r, self._w = owner, r, w
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="jaxlight-preemption-watch", daemon=True)
+
+    @classmethod
+    def start(cls, owner: Preemption) -> _SignalWatch | None:
+        """Install the wakeup fd and start the thread; None when another user (asyncio) already holds it."""
+        r, w = socket.socketpair()
+        w.setblocking(False)
+        r.settimeout(_WATCH_INTERVAL)
+        try:
+            previous = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread, or a closed fd
+            previous = None
+        if previous != -1:  # someone else reads the wakeup fd (asyncio): leave it to them
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            r.close()
+            w.close()
+            return None
+        watch = cls(owner, r, w)
+        watch._thread.start()
+        return watch
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+        try:
+            self._w.send(b"\0")  # wake the thread now (0 is no signal)
+        except OSError:
+            pass
+        self._thread.join(timeout=2 * _WATCH_INTERVAL + 1)
+        self._r.close()
+        self._w.close()
+
+    def _run(self) -> None:
+        owner, count, warned = self.owner, 0, False
+        while not self._closed:
+            try:
+                data = self._r.recv(64)
+            except TimeoutError:
+                data = b""
+            except OSError:
+                return
+            if self._closed:
+                return
+            for signum in data:
+                if signum not in owner.signals:
+                    continue
+                count += 1
+                if count > 1:
+                    _exit_at_once(signum)
+                owner._record(signum)
+            if owner.received is None:
+                continue
+            if not warned and owner.stop_timeout is not None:
+                late = time.monotonic() - max(owner._received_at, owner._progress_at)
+                if late >= min(5.0, owner.stop_timeout / 2) and not owner._stopping:
+                    warned = True
+                    _say(
+                        f"jaxlight: process {jax.process_index()} got {signal.Signals(owner.received).name} "
+                        f"{late:.0f} s ago and is still waiting for a point to stop at (the main thread is in "
+                        f"{_main_thread_at()}); it exits without a checkpoint after stop_timeout="
+                        f"{owner.stop_timeout:g} s, or at once on a second signal"
+                    )
+            gone = owner._gone()
+            if gone != []:  # a peer is gone: no collective (a step, the checkpoint) can finish any more
+                who = f"process(es) {gone} stopped answering" if gone else "the coordinator (process 0) is gone"
+                _say(
+                    f"jaxlight: process {jax.process_index()} got {signal.Signals(owner.received).name}, but {who}, "
+                    f"so no consistent checkpoint can be written (the main thread is in {_main_thread_at()}); "
+                    f"exiting with status 143 without a preemption checkpoint"
+                )
+                os._exit(143)
+            if owner._overdue():
+                _say(
+                    f"jaxlight: process {jax.process_index()} reached no stop point within stop_timeout="
+                    f"{owner.stop_timeout:g} s of {signal.Signals(owner.received).name} (the main thread is in "
+                    f"{_main_thread_at()}); exiting with status 143 without a preemption checkpoint"
+                )
+                os._exit(143)

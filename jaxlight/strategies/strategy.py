@@ -676,12 +676,18 @@ def resolve_strategy(strategy: str | Piece | Strategy) -> Strategy:
             f"strategy must be a string, a jaxlight.strategies piece or Strategy, got {type(strategy).__name__}"
         )
     pieces: list[Piece | Strategy] = []
-    for p in (p.strip().lower() for p in strategy.split("+")):
+    names = [p.strip().lower() for p in strategy.split("+")]
+    for p in names:
+        if names.count(p) > 1:  # "ddp+ddp": a repeated piece is a typo, never a bigger layout
+            raise ValueError(f"strategy {strategy!r} names {p!r} {names.count(p)} times; name each piece once")
         if p not in STRATEGY_REGISTRY:
             valid = ", ".join(repr(k) for k in STRATEGY_REGISTRY)
             raise ValueError(f"unknown strategy {p!r} in {strategy!r}; valid names: {valid} (joined with '+')")
         made = STRATEGY_REGISTRY[p]()
         if not isinstance(made, (Piece, Strategy)):
             raise TypeError(f"strategy factory for {p!r} returned {type(made).__name__}, not a piece or Strategy")
+        twin = next((q for q, m in zip(names, pieces) if isinstance(made, Piece) and type(m) is type(made)), None)
+        if twin is not None:  # two names of one piece ("ddp+dp")
+            raise ValueError(f"strategy {strategy!r}: {twin!r} and {p!r} are the same piece ({type(made).__name__})")
         pieces.append(made)
     return Strategy(*pieces)
