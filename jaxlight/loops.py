@@ -22,11 +22,12 @@ import numpy as np
 
 from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
 from jaxlight.config import TrainerConfig
-from jaxlight.data import BatchPlacer, Prefetcher, is_loader_collection, num_batches, tail_rows
+from jaxlight.data import BatchPlacer, Prefetcher, is_loader_collection, num_batches, split_loaders, tail_rows
 from jaxlight.errors import BatchError, MisconfigurationError
 from jaxlight.hooks import overrides, takes_argument
 from jaxlight.rank_zero import rank_zero_info
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
+from jaxlight.workers import safe_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.engine import Engine
@@ -143,13 +144,16 @@ def stage_run(
 
 # ---------------------------------------------------------------------------- data of a stage
 def loader_for(stage: Stage, given: Any, datamodule: Any, module: Any) -> Any:
-    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``."""
-    if given is not None:
-        return given
-    if datamodule is not None:
-        return getattr(datamodule, stage.loader_method)()
-    fn = getattr(module, stage.loader_method, None)
-    return fn() if callable(fn) else None
+    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``; torch
+    loaders with worker processes start them without ``os.fork()`` (:func:`jaxlight.workers.safe_workers`)."""
+    if given is None and datamodule is not None:
+        given = getattr(datamodule, stage.loader_method)()
+    elif given is None:
+        fn = getattr(module, stage.loader_method, None)
+        given = fn() if callable(fn) else None
+    for loader in split_loaders(given):
+        safe_workers(loader)
+    return given
 
 
 def batch_limit(config: TrainerConfig, stage: Stage, loader: Any) -> int | float:
