@@ -97,7 +97,9 @@ CONFIGS: dict[str, Program] = {
         trainer=dict(max_epochs=2, log_every_n_steps=1), schedule=True, callbacks=(("lrm", {}),)
     ),
     "lr_monitor_step_accumulate_2": Program(
-        trainer=dict(max_epochs=2, log_every_n_steps=1, accumulate_grad_batches=2), schedule=True, callbacks=(("lrm", {}),)
+        trainer=dict(max_epochs=2, log_every_n_steps=1, accumulate_grad_batches=2),
+        schedule=True,
+        callbacks=(("lrm", {}),),
     ),
     "lr_monitor_epoch": Program(
         trainer=dict(max_epochs=2), schedule=True, callbacks=(("lrm", {"logging_interval": "epoch"}),)
