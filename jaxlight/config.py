@@ -136,7 +136,7 @@ class TrainerConfig:
         deterministic: bool | None = None,
         seed: int | None = None,
         default_root_dir: str | os.PathLike | None = None,
-        ragged_batches: str = "error",
+        ragged_batches: str = "keep",
         process_local_batches: bool = False,
         prefetch: int = 2,
         compile_cache: bool | str | os.PathLike | None = None,
@@ -162,8 +162,11 @@ class TrainerConfig:
             )
         if gradient_clip_val is not None and gradient_clip_val < 0:
             raise MisconfigurationError(f"gradient_clip_val must be >= 0, got {gradient_clip_val}")
-        if ragged_batches not in ("error", "drop"):
-            raise MisconfigurationError(f"ragged_batches={ragged_batches!r}; choose 'error' or 'drop'")
+        if ragged_batches not in ("keep", "error", "drop"):
+            raise MisconfigurationError(
+                f"ragged_batches={ragged_batches!r}; choose 'error' or 'drop', or 'keep' (the default: a shorter "
+                f"train batch runs in a step compiled for its own shape, as Lightning trains it)"
+            )
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise MisconfigurationError(
                 f"prefetch must be an int >= 0 (batches read ahead on a background thread; 0 reads them inline), "

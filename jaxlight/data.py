@@ -196,7 +196,7 @@ class BatchPlacer:
         sh = self._shardings.get(key)
         if sh is not None:
             return sh
-        spec: list[Any] = [self._rows_spec[0] if len(self._rows_spec) else None] if shape else []
+        spec: list[Any] = [self.rows_entry(shape[0])] if shape else []
         dims = self.strategy.batch_dims(path, shape) if self.strategy is not None else {}
         for dim, axis in sorted(dims.items()):
             if dim >= len(shape):
@@ -219,6 +219,26 @@ class BatchPlacer:
         sh = self._shardings[key] = NamedSharding(self.mesh, P(*spec))
         return sh
 
+    def rows_entry(self, rows: int) -> Any:
+        """The mesh axes dim 0 of a leaf with ``rows`` global rows is split over (a PartitionSpec entry).
+
+        All the batch axes when ``rows`` divides them (every full batch: :meth:`check` held); for a
+        shorter batch that does not, the largest set of batch axes whose size divides ``rows`` (ties: the
+        earlier axes), so the rows are replicated over the axes they cannot split and every device still
+        computes whole real rows (``None``: replicated over all of them).
+        """
+        full = self._rows_spec[0] if len(self._rows_spec) else None
+        if full is None or rows % self.divisor == 0:
+            return full
+        axes = (full,) if isinstance(full, str) else tuple(full)
+        best: tuple[str, ...] = ()
+        for mask in range(1, 1 << len(axes)):
+            pick = tuple(a for j, a in enumerate(axes) if mask >> j & 1)
+            size = math.prod(self.mesh.shape[a] for a in pick)
+            if rows % size == 0 and size > math.prod(self.mesh.shape[a] for a in best):
+                best = pick
+        return None if not best else best[0] if len(best) == 1 else best
+
     def global_rows(self, local_rows: int) -> int:
         if self.process_local and self.multiprocess:
             return local_rows * self._share_count()
@@ -236,6 +256,21 @@ class BatchPlacer:
             raise BatchError(
                 f"global batch {rows}{where} is not divisible by the batch axes "
                 f"data*fsdp*expert = {self.divisor} of mesh {dict(self.mesh.shape)}"
+            )
+
+    def check_exact(self, rows: int, index: int | None = None) -> None:
+        """What a batch of any row count needs to run in a step compiled for its own shape: rows, and,
+        when each process reads only its share (``process_local_batches``), rows the batch axes divide
+        (a batch replicated over an axis needs every row on every process)."""
+        if rows == 0:
+            raise BatchError(f"batch {index} has 0 rows" if index is not None else "batch has 0 rows")
+        if self.process_local and self.multiprocess and rows % self.divisor:
+            where = f" (batch {index})" if index is not None else ""
+            raise BatchError(
+                f"global batch {rows}{where} is not divisible by the batch axes data*fsdp*expert = {self.divisor} "
+                f"of mesh {dict(self.mesh.shape)}; with process_local_batches=True each process holds only its "
+                f"rows, so a batch the devices cannot split cannot be replicated either. Drop it (ragged_batches="
+                f"'drop', DataLoader(drop_last=True)) or give every process a share the devices divide"
             )
 
     def place_flat(self, leaves: list[Any], treedef: Any) -> Any:
@@ -319,11 +354,14 @@ def pad_rows(batch: Any, rows: int) -> Any:
 def batch_mask(batch: Any = None) -> jax.Array:
     """``bool[rows]``: which rows of the batch a step is traced for are real samples.
 
-    Evaluation batches (validation, test, predict) are compiled for one shape:
-    a shorter batch, such as the usual last one (``len(dataset) % batch_size``
-    rows), is padded to that shape by repeating its rows, and the padding rows
-    are False here. Use the mask wherever a step reduces over rows, so the
-    padded batch contributes its real rows only::
+    A batch with fewer rows than the others, such as the usual last one
+    (``len(dataset) % batch_size`` rows), runs in a step compiled for its own
+    shape, so every row a step sees is real and the mask is all True: a plain
+    ``.mean()`` over the batch is exact. Rows are padded (by repeating real
+    rows; False here) in one case only: an evaluation batch of a multi-process
+    run with ``process_local_batches=True``, whose per-process shares are
+    padded to the compiled shape. Code that must also be exact there reduces
+    with the mask::
 
         def validation_step(self, batch, batch_idx):
             x, y = batch
@@ -333,9 +371,8 @@ def batch_mask(batch: Any = None) -> jax.Array:
 
     ``self.log`` already weighs each batch's value by its real rows, so the
     epoch value is the mean over exactly the dataset's samples. Outside a
-    padded evaluation step (training, full batches) every row is True; there
-    the mask's length is read from ``batch`` (pass it to use the same code in
-    ``training_step``).
+    padded evaluation step every row is True; there the mask's length is read
+    from ``batch`` (pass it to use the same code in ``training_step``).
     """
     ctx = current_step_context()
     if ctx is not None and ctx.valid is not None and ctx.rows is not None:
@@ -373,7 +410,12 @@ class Prefetcher:
     The transfer of batch i+1 runs while step i computes. ``loader_state``
     records the loader's own state after each batch, so a checkpoint saved
     after consuming batch i resumes at i+1 even though i+1 was already read.
-    Stops after ``limit`` batches. Ragged batches (a different row count than
+    Stops after ``limit`` batches. With ``exact`` every batch passes as it
+    is, whatever its row count (the loop runs it in a step compiled for its
+    shape), placed by :meth:`BatchPlacer.rows_entry` (rows the batch axes
+    cannot split are replicated over them); the first batch of a train epoch
+    must divide the batch axes, and an evaluation batch may not be longer than
+    its loader's first. Otherwise ragged batches (a different row count than
     the first) raise unless ``drop_ragged`` is set, in which case they are
     skipped and counted in ``dropped``. With ``pad`` (evaluation) the step's
     row count is the first batch's rounded up to the mesh's batch axes, and
@@ -403,11 +445,13 @@ class Prefetcher:
         pad: bool = False,
         interrupt: Callable[[bool], None] | None = None,
         signature: BatchSignature | None = None,
+        exact: bool = False,
     ) -> None:
         self.loader = loader
         self.pad = pad
         self.interrupt = interrupt
         self.signature = signature
+        self.exact = exact and not pad
         self.placer = placer
         self.limit = limit
         self.start = start
@@ -453,6 +497,11 @@ class Prefetcher:
                 continue
             check_signature(self, leaves, treedef, i)
             grows = self.placer.global_rows(rows)
+            if self.exact:
+                self._check_exact(grows, i)
+                yield Prefetched(i, self.placer.place_flat(leaves, treedef), grows, state)
+                i += 1
+                continue
             if self.expected_rows is None:
                 self.expected_rows = grows
             if grows != self.expected_rows:
@@ -476,6 +525,22 @@ class Prefetcher:
             self._put(e)
             return
         self._put(self._END)
+
+    def _check_exact(self, rows: int, i: int) -> None:
+        """An ``exact`` batch: any row count (see the class docstring for the two limits)."""
+        self.placer.check_exact(rows, i)
+        if self.stage == "train":
+            if i == 0:  # an epoch's first batch has the loader's batch size: the one the devices split
+                self.placer.check(rows, i)
+            return
+        if self.expected_rows is None:
+            self.expected_rows = rows
+        elif rows > self.expected_rows:
+            raise BatchError(
+                f"{self.stage} batch {i} has {rows} rows but the step is compiled for {self.expected_rows} (from "
+                f"the first batch); a shorter batch (the usual last one) runs in a step compiled for its own "
+                f"shape, but a batch may not be longer than the loader's first one"
+            )
 
     def _padded(self, hb: Any, rows: int, i: int) -> tuple[Any, int | None]:
         """The batch padded to the compiled row count (fixed by the first batch), and its real rows."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlight.compat import variable_value_setter
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
-from jaxlight.hooks import names_parameter, takes_argument
+from jaxlight.hooks import step_call
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig, configure, select_params
@@ -88,6 +87,7 @@ class Engine:
         self._synced: Any = None  # the train state the module's attributes point at
         self._slots: tuple[tuple[int, ...], list | None] | None = None  # the module's variables, by key
         self.eval_steps: dict[tuple[str, Any], Any] = {}  # compiled evaluation steps by (key, batch signature)
+        self.train_steps: dict[Any, Any] = {}  # compiled train steps by batch signature (a ragged batch: its own)
 
     # -- context ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -117,6 +117,7 @@ class Engine:
             self.builder = None
             self.compiled = {}
             self.eval_steps = {}
+            self.train_steps = {}
             self._synced = None
         self._slots = None
         self.module = module
@@ -346,6 +347,7 @@ class Engine:
         step = jax.device_put(jnp.int32(global_step), NamedSharding(self.mesh, P()))
         self.train_state = TrainState(params, rest, opt_state, extra, step)
         self.compiled.pop("train", None)
+        self.train_steps = {}
         self.refresh_train_modes()
 
     def refresh_train_modes(self) -> bool:
@@ -366,6 +368,7 @@ class Engine:
         self.parts = builder.parts = parts._replace(train_graphdef=graphdef)
         builder.held_rest = held
         self.compiled.pop("train", None)
+        self.train_steps = {}
         kept = [
             p for p, n in nnx.iter_graph(models) if module.training and isinstance(n, nnx.Module) and in_eval_mode(n)
         ]
@@ -403,6 +406,7 @@ class Engine:
         )
         self.builder.held_rest = old.held_rest
         self.compiled.pop("train", None)
+        self.train_steps = {}
 
     def _check_state_on_device(self, callbacks: Sequence[Callback], shardings: Mapping[str, Any]) -> None:
         for cb in callbacks:
@@ -491,7 +495,8 @@ class Engine:
             idx = jax.ShapeDtypeStruct((), jnp.int32) if batch_idx is None else batch_idx
             flush = jax.ShapeDtypeStruct((), jnp.bool_)
             fn = jax.jit(builder.train_step, donate_argnums=0, out_shardings=(shardings, None, None))
-            compiled = fn.lower(state, batch, idx, flush).compile()
+            with lightning_step_call(module, "training_step"):
+                compiled = fn.lower(state, batch, idx, flush).compile()
         return compiled, state
 
     # -- compile ------------------------------------------------------------------------------
@@ -526,7 +531,7 @@ class Engine:
 
         def eval_step(params, rest, batch, batch_idx, valid):
             ctx = StepContext(valid=valid, shares=shares, rows=rows, dataloader_idx=dataloader_idx)
-            with step_context(ctx), _with_dataloader_idx(b.module, method, dataloader_idx):
+            with step_context(ctx), lightning_step_call(b.module, method, dataloader_idx):
                 return b.eval_step(stage, params, rest, batch, batch_idx)
 
         eval_step.__name__ = f"{stage}_step"
@@ -543,16 +548,23 @@ class Engine:
 
     def compile_train(self, state: TrainState, batch: Any, batch_idx: Any, flush: Any) -> Any:
         """Lower and compile the train step ``(state, batch, batch_idx, flush) -> (state, outputs, logs)``
-        for these example arguments, the state donated; stored under ``compiled["train"]``."""
+        for these example arguments, the state donated. Stored by the batch's shapes
+        (:meth:`train_step_for`); the first one of a training setup also under ``compiled["train"]``."""
         b = self.builder
         assert b is not None
         self._check_batch("train", batch)
         with self.context():
             fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
-            compiled = fn.lower(state, batch, batch_idx, flush).compile()
+            with lightning_step_call(b.module, "training_step"):
+                compiled = fn.lower(state, batch, batch_idx, flush).compile()
         self.compile_counts["train"] += 1
-        self.compiled["train"] = compiled
+        self.train_steps[_signature(batch)] = compiled
+        self.compiled.setdefault("train", compiled)
         return compiled
+
+    def train_step_for(self, batch: Any) -> Any:
+        """The train step compiled for this batch's shapes and dtypes, or None (a ragged batch not seen yet)."""
+        return self.train_steps.get(_signature(batch))
 
     def _check_batch(self, stage: str, batch: Any) -> None:
         """The strategy's checks of the batch's global shapes; across processes, the same structure."""
@@ -569,20 +581,18 @@ def _signature(batch: Any) -> tuple:
 
 
 @contextlib.contextmanager
-def _with_dataloader_idx(module: Any, method: str, dataloader_idx: int | None):
-    """While tracing, make ``module.<method>(batch, batch_idx)`` pass ``dataloader_idx`` as a third argument
-    (a static Python int: one compiled step per loader) when the method takes one."""
+def lightning_step_call(module: Any, method: str, dataloader_idx: int | None = None):
+    """While tracing, let the steps call ``module.<method>(batch, batch_idx)`` whatever Lightning signature
+    the user wrote: ``(batch)``, ``(batch, batch_idx)`` or ``(batch, batch_idx, dataloader_idx)``
+    (:func:`jaxlight.hooks.step_call`, which refuses any other with the signature in the message).
+    ``dataloader_idx`` (several loaders) is a static Python int: one compiled step per loader."""
     bound = getattr(module, method)
-    # a signature that cannot be read gets no third argument
-    if dataloader_idx is None or not takes_argument(bound, "dataloader_idx", 2):
+    call = step_call(bound, f"{type(module).__name__}.{method}", dataloader_idx)
+    if call is None:  # called as the steps call it
         yield
         return
     had = method in vars(module)
     saved = vars(module).get(method)
-    if names_parameter(bound, "dataloader_idx"):
-        call = functools.partial(bound, dataloader_idx=dataloader_idx)
-    else:  # Lightning passes it as the third positional argument, whatever its name
-        call = lambda batch, batch_idx: bound(batch, batch_idx, dataloader_idx)
     object.__setattr__(module, method, call)
     try:
         yield

@@ -24,12 +24,21 @@ import numpy as np
 from jaxlight.callbacks.preemption import stop_poll
 from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
 from jaxlight.config import TrainerConfig
-from jaxlight.data import BatchPlacer, Prefetcher, compiled_signature, is_loader_collection, num_batches, tail_rows
+from jaxlight.data import (
+    BatchPlacer,
+    Prefetcher,
+    compiled_signature,
+    is_loader_collection,
+    num_batches,
+    split_loaders,
+    tail_rows,
+)
 from jaxlight.errors import BatchError, MisconfigurationError
 from jaxlight.grain_data import adapt_loaders, set_loader_epoch
 from jaxlight.hooks import overrides, takes_argument
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
+from jaxlight.workers import safe_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.engine import Engine
@@ -147,14 +156,17 @@ def stage_run(
 
 # ---------------------------------------------------------------------------- data of a stage
 def loader_for(stage: Stage, given: Any, datamodule: Any, module: Any) -> Any:
-    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``
-    (grain pipelines wrapped in a resumable ``GrainLoader``)."""
-    if given is not None:
-        return adapt_loaders(given)
-    if datamodule is not None:
-        return adapt_loaders(getattr(datamodule, stage.loader_method)())
-    fn = getattr(module, stage.loader_method, None)
-    return adapt_loaders(fn()) if callable(fn) else None
+    """The loader(s) given to the call, else the datamodule's, else the module's ``*_dataloader()``: grain
+    pipelines wrapped in a resumable ``GrainLoader``, torch loaders with worker processes started without
+    ``os.fork()`` (:func:`jaxlight.workers.safe_workers`)."""
+    if given is None and datamodule is not None:
+        given = getattr(datamodule, stage.loader_method)()
+    elif given is None:
+        fn = getattr(module, stage.loader_method, None)
+        given = fn() if callable(fn) else None
+    for loader in split_loaders(given):
+        safe_workers(loader)
+    return adapt_loaders(given)
 
 
 def batch_limit(config: TrainerConfig, stage: Stage, loader: Any) -> int | float:
@@ -179,8 +191,9 @@ def train_batches(config: TrainerConfig, loader: Any) -> int | float:
     When the loader tells its batch sizes without being iterated (a torch
     ``DataLoader`` with a ``batch_size``, a list of batches) and the epoch
     reaches a last batch with fewer rows than the others, ``ragged_batches=
-    "error"`` raises now, and ``"drop"`` leaves it out of the count (so
-    the epoch's last batch, where a partial accumulation window steps and
+    "keep"`` (the default) counts it (it trains in a step compiled for its
+    shape), ``"error"`` raises now, and ``"drop"`` leaves it out of the count
+    (so the epoch's last batch, where a partial accumulation window steps and
     validation runs, is the last full one).
     """
     if is_loader_collection(loader):
@@ -193,15 +206,15 @@ def train_batches(config: TrainerConfig, loader: Any) -> int | float:
     if tail is None:
         return n
     batches, first, last = tail
-    if first == last or n < batches:
+    if first == last or n < batches or config.ragged_batches == "keep":
         return n
     if config.ragged_batches == "drop":
         return batches - 1
     raise BatchError(
         f"train batch {batches - 1} has {last} rows but the first had {first} (the loader's last batch, found "
         f"before training); the train step is compiled for one shape. Drop the ragged batch in the loader "
-        f"(DataLoader(drop_last=True)) or pass Trainer(ragged_batches='drop'). (Validation, test and predict "
-        f"pad such a batch instead.)"
+        f"(DataLoader(drop_last=True)) or pass Trainer(ragged_batches='drop'), or leave ragged_batches at its "
+        f"default 'keep', which trains it in a step compiled for its own shape"
     )
 
 
@@ -215,11 +228,15 @@ def prefetcher(
     key: str | None = None,
     placer: BatchPlacer | None = None,
 ) -> Prefetcher:
-    """Background reader of one loader. Training checks ragged batches (error or drop); evaluation pads them."""
+    """Background reader of one loader. A batch with other rows passes as it is (``ragged_batches="keep"``,
+    always in evaluation: the loop runs it in a step compiled for its shape); training may instead drop it or
+    raise. Evaluation pads only the shares of a multi-process run with ``process_local_batches``."""
     train, config = stage.name == "train", parts.config
+    placer = placer or batch_placer(parts)
+    pad = not train and placer.global_rows(1) > 1  # per-process shares cannot be replicated: padded and masked
     return Prefetcher(
         loader,
-        placer or batch_placer(parts),
+        placer,
         limit=None if limit == math.inf else int(limit),
         start=start,
         depth=config.prefetch,
@@ -228,7 +245,8 @@ def prefetcher(
         # evaluation: each run's first batch sets the shape (a later run may bring another loader)
         expected_rows=parts.engine.batch_rows.get(key or stage.name) if train else None,
         loader_state=loader_state,
-        pad=not train,
+        pad=pad,
+        exact=not pad and (not train or config.ragged_batches == "keep"),
         interrupt=stop_poll(parts.hooks.callbacks),
         signature=compiled_signature(parts.engine.compiled.get("train")) if train else None,
     )
@@ -237,6 +255,22 @@ def prefetcher(
 def batch_placer(parts: LoopParts) -> BatchPlacer:
     """How this run's batches go onto the engine's mesh."""
     return BatchPlacer(parts.engine.mesh, parts.config.process_local_batches, parts.engine.strategy)
+
+
+RAGGED_SHAPES_NOTE = 3  # a train step compiled for this many batch shapes says so once
+
+
+def note_ragged_compiles(engine: Engine) -> None:
+    """Say once when the train step has been compiled for :data:`RAGGED_SHAPES_NOTE` batch shapes: the usual
+    ragged last batch costs one extra compile, a loader whose batch sizes keep changing costs one each."""
+    n = len(engine.train_steps)
+    if n == RAGGED_SHAPES_NOTE:
+        rank_zero_info(
+            f"jaxlight: the train step has now been compiled for {n} batch shapes; a batch with a new number of "
+            f"rows (or other new shapes) compiles its own step once (kept in the compilation cache). If the "
+            f"loader's batch sizes keep changing, fix them (DataLoader(drop_last=True), "
+            f"Trainer(ragged_batches='drop') or padding in the loader)"
+        )
 
 
 def _take_rows(tree: Any, rows: int, valid: int, shares: int) -> Any:
@@ -319,7 +353,8 @@ class EvalLoop:
                         n_valid = np.int32(item.rows // shares if valid is None else valid)
                         compiled = engine.eval_step_for(key, batch)
                         if compiled is None:  # a new loader or batch shape: one compiled step per shape
-                            engine.batch_rows[key] = item.rows
+                            if item.rows == fetcher.expected_rows:  # the loader's batch size, not a ragged tail
+                                engine.batch_rows[key] = item.rows
                             compiled = engine.compile_eval(
                                 stage.name,
                                 key,
@@ -554,10 +589,14 @@ class FitLoop:
                     # Lightning steps on a partial accumulation window at the epoch's last batch
                     flush = _FLUSH if k > 1 and is_last else _NO_FLUSH
                     compiled = engine.compiled.get("train")
+                    if compiled is not None and item.rows != engine.batch_rows.get("train"):
+                        compiled = engine.train_step_for(batch)  # a ragged batch: the step for its own shape
                     if compiled is None:
-                        engine.batch_rows["train"] = item.rows
+                        if "train" not in engine.compiled:
+                            engine.batch_rows["train"] = item.rows
                         compiled = engine.compile_train(engine.train_state, batch, step_index(idx), flush)
                         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
+                        note_ragged_compiles(engine)
                     engine.train_state, outputs, logs = compiled(engine.train_state, batch, step_index(idx), flush)
                     ahead.push(outputs["loss"])
                     stepped = pos.advance(idx, item.loader_state, k, bool(flush))

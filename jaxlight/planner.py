@@ -496,8 +496,9 @@ class AutoStrategy:
         return None
 
     def choose(self, trainer: Trainer, devices: Sequence[Any], train_loader: Any) -> Strategy:
-        """The strategy for ``trainer.lightning_module`` (printed on process 0); the current one when the
-        module's state is already placed (a second ``fit`` of the same module)."""
+        """The strategy for ``trainer.lightning_module`` (its one line printed on process 0 with the model
+        summary, i.e. unless ``enable_model_summary=False``); the current one when the module's state is
+        already placed (a second ``fit`` of the same module)."""
         module = trainer.lightning_module
         engine = trainer.engine
         if engine.parts is not None and engine.module is module:
@@ -531,7 +532,8 @@ class AutoStrategy:
                 process_local=trainer.process_local_batches,
             )
         self.choice, self._module_id = choice, id(module)
-        rank_zero_info(choice.message)
+        if trainer.enable_model_summary:  # part of the summary: quiet with it off (kept in self.choice.message)
+            rank_zero_info(choice.message)
         return choice.strategy
 
 

@@ -97,7 +97,7 @@ class Trainer(ConfigAttributes):
         deterministic: bool | None = None,
         seed: int | None = None,
         default_root_dir: str | os.PathLike | None = None,
-        ragged_batches: str = "error",
+        ragged_batches: str = "keep",
         process_local_batches: bool = False,
         prefetch: int = 2,
         compile_cache: bool | str | os.PathLike | None = None,

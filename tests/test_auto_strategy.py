@@ -35,7 +35,8 @@ def _state_bytes() -> tuple[int, int]:
     return p, 3 * p
 
 
-def _fit(device_memory, callbacks=()):
+def _fit(device_memory, callbacks=(), summary=True):
+    # the strategy="auto" line is printed with the model summary (issue 23): on here, to read it
     trainer = jl.Trainer(
         strategy="auto",
         device_memory=device_memory,
@@ -45,7 +46,7 @@ def _fit(device_memory, callbacks=()):
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=summary,
     )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -73,6 +74,13 @@ def test_cpu_without_device_memory_keeps_data_parallel():
     assert trainer.strategy == resolve_strategy("ddp") and dict(trainer.mesh.shape)["data"] == 8
     assert out.count('strategy="auto"') == 1 and "cpu devices report no memory limit" in out
     assert trainer.auto_strategy.choice.candidates == []  # nothing compiled for nothing to choose by
+
+
+def test_the_line_is_quiet_with_the_summary_off():
+    """Issue 23: the line was printed on every fit, even with enable_model_summary=False."""
+    trainer, out = _fit(None, summary=False)
+    assert 'strategy="auto"' not in out
+    assert "cpu devices report no memory limit" in trainer.auto_strategy.choice.message  # still there to read
 
 
 def test_small_model_picks_ddp_and_says_why():

@@ -1,5 +1,5 @@
-"""Dataloaders: torch DataLoader and torchdata StatefulDataLoader equal numpy batches; ragged and
-non-divisible batches raise with the numbers; ragged_batches="drop" drops."""
+"""Dataloaders: torch DataLoader and torchdata StatefulDataLoader equal numpy batches; ragged (with
+ragged_batches="error") and non-divisible batches raise with the numbers; ragged_batches="drop" drops."""
 
 import optax
 import pytest
@@ -58,7 +58,7 @@ def test_dict_batches_of_jax_and_numpy():
 def test_ragged_last_batch_raises_with_numbers():
     data = batches(x[:100], y[:100], 16)  # last batch has 4 rows
     with pytest.raises(BatchError, match=r"batch 6 has 4 rows but the first had 16.*ragged_batches='drop'"):
-        fit(data)
+        fit(data, ragged_batches="error")
 
 
 def test_ragged_last_batch_dropped_when_asked():
@@ -72,7 +72,7 @@ def test_ragged_last_batch_dropped_when_asked():
 def test_ragged_torch_loader_raises():
     ds = torch.utils.data.TensorDataset(torch.from_numpy(x[:40]), torch.from_numpy(y[:40]))
     with pytest.raises(BatchError, match="has 8 rows but the first had 16"):
-        fit(torch.utils.data.DataLoader(ds, batch_size=16))
+        fit(torch.utils.data.DataLoader(ds, batch_size=16), ragged_batches="error")
 
 
 def test_batch_not_divisible_by_batch_axes():

@@ -1,6 +1,7 @@
-"""Every evaluation sample counts (issue 11, item 3): a last validation/test/predict batch with fewer rows is
-padded to the compiled shape and masked, so epoch metrics equal the full-dataset value and predict returns
-one row per sample; training keeps its ragged-batch rule, checked before the first step."""
+"""Every evaluation sample counts (issue 11, item 3): a last validation/test/predict batch with fewer rows
+runs in a step compiled for its own shape (issue 23; it was padded and masked before), so epoch metrics equal
+the full-dataset value and predict returns one row per sample; training's ragged_batches="error" and "drop"
+are settled before the first step."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_padded_last_batch_counts_every_sample(stage):
     assert out[f"{p}_rows"] == 10.0  # the two padding rows are not counted
     assert out[f"{p}_loss"] == pytest.approx(full_loss(model, x, y), rel=1e-5)
     assert out[f"{p}_batch_idx"] == pytest.approx((0 * 4 + 1 * 4 + 2 * 2) / 10)  # weights are real rows
-    assert trainer.compile_counts[stage] == 1  # the short batch ran in the step compiled for 4 rows
+    assert trainer.compile_counts[stage] == 2  # the short batch ran in a step compiled for its 2 rows (issue 23)
 
 
 def test_hooks_and_outputs_see_real_rows_only():
@@ -110,15 +111,16 @@ def test_predict_returns_one_row_per_sample():
     np.testing.assert_allclose(np.concatenate(preds), np.asarray(model.net(jnp.asarray(x))), rtol=1e-6)
 
 
-def test_rows_not_dividing_the_devices_are_padded_up():
-    """On 8 devices a 6-row batch cannot be split evenly: the step is compiled for 8 rows, both batches pad."""
+def test_rows_not_dividing_the_devices_run_replicated():
+    """On 8 devices a 6-row batch cannot be split evenly: it runs replicated (every device computes the 6 rows),
+    and so does the 4-row last one, each in its own step (issue 23; both were padded to 8 rows before)."""
     x, y = data(10)
     model = Reg()
     trainer = jl.Trainer(**quiet(devices=8, strategy="ddp"))
     out = trainer.validate(model, batches(x, y, 6), verbose=False)[0]  # 6 + 4 rows
     assert out["val_rows"] == 10.0
     assert out["val_loss"] == pytest.approx(full_loss(model, x, y), rel=1e-5)
-    assert trainer.engine.batch_rows["validate"] == 8
+    assert trainer.engine.batch_rows["validate"] == 6
     preds = trainer.predict(model, [(x[:6],), (x[6:],)])
     assert [p.shape[0] for p in preds] == [6, 4]
     np.testing.assert_allclose(np.concatenate(preds), np.asarray(model.net(jnp.asarray(x))), rtol=1e-5)
@@ -174,7 +176,7 @@ def torch_loader(n, bs):
 def test_ragged_train_loader_fails_before_the_first_step(kind):
     loader = torch_loader(26, 4) if kind == "torch" else batches(*data(26), 4)  # 6 x 4 rows + 2
     count = Count()
-    trainer = jl.Trainer(max_epochs=1, callbacks=[count], **quiet())
+    trainer = jl.Trainer(max_epochs=1, callbacks=[count], **quiet(ragged_batches="error"))
     with pytest.raises(BatchError, match=r"train batch 6 has 2 rows but the first had 4.*ragged_batches='drop'"):
         trainer.fit(Reg(), loader)
     assert count.train_batches == 0 and "train" not in trainer.compile_counts

@@ -83,6 +83,11 @@ CONFIGS: dict[str, Program] = {
     "ragged_last_val_batch": Program(
         trainer=dict(max_epochs=2), val_rows=10, stages=("fit", "validate", "test", "predict")
     ),
+    # a ragged last train batch trains in a step compiled for its shape, as Lightning trains it (issue 23)
+    "ragged_last_train_batch": Program(trainer=dict(max_epochs=2), train_rows=26, val_rows=10),
+    "ragged_train_accumulate_4": Program(
+        trainer=dict(max_epochs=2, accumulate_grad_batches=4, log_every_n_steps=1), train_rows=26, val_rows=10
+    ),
     "two_val_loaders": Program(
         trainer=dict(max_epochs=2), val_loaders=2, stages=("fit", "validate", "test", "predict")
     ),
@@ -90,6 +95,11 @@ CONFIGS: dict[str, Program] = {
     # learning-rate schedule and LearningRateMonitor
     "lr_monitor_step": Program(
         trainer=dict(max_epochs=2, log_every_n_steps=1), schedule=True, callbacks=(("lrm", {}),)
+    ),
+    "lr_monitor_step_accumulate_2": Program(
+        trainer=dict(max_epochs=2, log_every_n_steps=1, accumulate_grad_batches=2),
+        schedule=True,
+        callbacks=(("lrm", {}),),
     ),
     "lr_monitor_epoch": Program(
         trainer=dict(max_epochs=2), schedule=True, callbacks=(("lrm", {"logging_interval": "epoch"}),)

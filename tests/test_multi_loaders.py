@@ -97,9 +97,10 @@ def test_fit_validates_every_loader_with_its_index(container):
     assert float(cm["epoch_end_value"]) == 1.0  # logged outside any loader: no suffix
     assert float(cm["b_only"]) == pytest.approx(loss_of(model, B), rel=1e-5)  # add_dataloader_idx=False
     assert "val_loss" not in cm
-    # hooks got each loader's index; the padded last batch of B shows its 4 real rows
+    # hooks got each loader's index; the short last batch of B shows its 4 rows
     assert model.calls == [(0, 0, 4), (0, 1, 4), (0, 2, 4), (1, 0, 6), (1, 1, 4)]
-    assert trainer.compile_counts["validate"] == 2  # one compiled step per loader (two shapes)
+    # one compiled step per loader and batch shape: A's 4 rows, B's 6, B's short last batch of 4 (issue 23)
+    assert trainer.compile_counts["validate"] == 3
     assert trainer.num_val_batches == [3, 2]
 
 

@@ -97,7 +97,9 @@ class LearningRateMonitor(Callback):
     the monitor raises.
 
     When: ``logging_interval=None`` logs step-interval schedulers at the
-    trainer's ``log_every_n_steps`` cadence (at the start of the batch),
+    trainer's ``log_every_n_steps`` cadence (at the start of the batch; under
+    gradient accumulation at every micro-batch of a logged update, as
+    Lightning does, so a value repeats once per micro-batch),
     epoch-interval ones (plateau schedulers by default) at each epoch start,
     and optimizers without a scheduler at both; ``"step"``/``"epoch"`` log
     everything at that cadence only. Values go to the loggers at the step the
@@ -156,9 +158,9 @@ class LearningRateMonitor(Callback):
         return (trainer.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        # Lightning's cadence is per batch: under gradient accumulation every micro-batch of a logged update
+        # logs the rate again, at the same step (checked against pytorch-lightning, issue 23)
         if self.logging_interval == "epoch" or not self._should_log_step(trainer):
-            return
-        if trainer.position.window:  # mid-accumulation: logged once per optimizer update, at its first micro-batch
             return
         self._log(trainer, "step" if self.logging_interval is None else "any")
 

@@ -142,6 +142,9 @@ class CSVLogger(VersionedDirLogger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         row: dict[str, Any] = {(self._prefix + k if self._prefix else k): v for k, v in metrics.items()}
+        epoch = self._prefix + "epoch" if self._prefix else "epoch"
+        if isinstance(row.get(epoch), float) and row[epoch].is_integer():
+            row[epoch] = int(row[epoch])  # Lightning's column: the epoch as an integer ("0", not "0.0")
         row["step"] = step
         self._rows.append(row)
         if step is not None and self._flush_every and (step + 1) % self._flush_every == 0:
