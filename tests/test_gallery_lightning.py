@@ -25,7 +25,6 @@ pytest.importorskip("jsonargparse")
 from tests import gallery_lightning_programs as gallery
 
 RTOL_LOSS, RTOL_METRIC = 1e-5, 1e-4
-NEEDS_RAGGED = pytest.mark.xfail(strict=False, reason="needs i23-ragged")
 
 _RUNS: dict[str, tuple[dict, dict]] = {}
 
@@ -70,7 +69,7 @@ def check_common(ref: dict, got: dict, halve_step: bool = False) -> None:
         assert all(_close(ref["test"][k], got["test"][k], RTOL_METRIC) for k in ref["test"])
 
 
-@NEEDS_RAGGED  # 100 training rows in batches of 32: the last one has 4
+# 100 training rows in batches of 32: the last one has 4
 def test_image_classifier_through_lightning_cli(workdir):
     ref, got = runs("classifier", workdir)
     check_common(ref, got)
@@ -95,7 +94,7 @@ def test_autoencoder_through_lightning_cli_with_its_image_callback(workdir):
     assert got["compile_counts"] == {"train": 1, "validate": 1, "test": 1, "predict": 1}
 
 
-@NEEDS_RAGGED  # training_step(self, batch): no batch_idx, which Lightning accepts
+# training_step(self, batch): no batch_idx, which Lightning accepts
 def test_gan_with_manual_optimization(workdir):
     ref, got = runs("gan", workdir)
     check_common(ref, got, halve_step=True)
