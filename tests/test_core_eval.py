@@ -128,4 +128,6 @@ def test_no_host_sync_per_step(monkeypatch):
     fetches.clear()
     trainer = jl.Trainer(max_epochs=1, log_every_n_steps=2, callbacks=[Snap()], **quiet())
     trainer.fit(Classifier(), TRAIN)
-    assert at_batch == [0, 0, 1, 1, 2, 2, 3, 3]  # logging happens right after on_train_batch_end
+    # logging happens right after on_train_batch_end; each log step fetches, in one device_get, the logged
+    # loss and the step's own loss (the non-finite warning of issue 26 reads it at the log cadence)
+    assert at_batch == [0, 0, 2, 2, 4, 4, 6, 6]
