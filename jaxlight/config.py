@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from jaxlight.errors import MisconfigurationError
+from jaxlight.errors import MisconfigurationError, NotADirectoryMisconfiguration
 from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger
 from jaxlight.precision import Precision, resolve_precision
@@ -458,7 +458,8 @@ def check_log_dirs(loggers: Iterable[Logger]) -> None:
             continue
         reason = unwritable_reason(path)
         if reason is not None:
-            raise MisconfigurationError(
+            error = NotADirectoryMisconfiguration if reason.endswith("is not a directory") else MisconfigurationError
+            raise error(
                 f"{type(lg).__name__} writes its logs to {os.fspath(path)!r}, {reason}; make it writable, or pass "
                 f"the logger another save_dir (or the Trainer another default_root_dir)"
             )

@@ -10,6 +10,11 @@ class MisconfigurationError(ValueError):
     """A Trainer argument or a module definition that cannot work, said before any work is done."""
 
 
+class NotADirectoryMisconfiguration(MisconfigurationError, NotADirectoryError):
+    """A directory argument (a logger's save_dir, a checkpoint dirpath) names an existing file: both a
+    ``MisconfigurationError`` and the ``NotADirectoryError`` the filesystem would raise later."""
+
+
 class BatchError(ValueError):
     """A batch the compiled step cannot take (shapes disagree, rows don't divide)."""
 
