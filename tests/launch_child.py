@@ -31,12 +31,9 @@ info = {
     )
 }
 info.update(pid=os.getpid(), pgid=os.getpgid(0), sid=os.getsid(0))
-with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
-    json.dump(info, f)
-print(f"ready {rank} on stdout", flush=True)
-print(f"note {rank} on stderr", file=sys.stderr, flush=True)
 
 
+# the handlers go in before the ready file appears: the tests signal as soon as they see it
 def on_signal(signum, frame):
     with open(os.path.join(out, f"signal_{rank}"), "w") as f:
         f.write(str(signum))
@@ -46,12 +43,18 @@ def on_signal(signum, frame):
 
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
     signal.signal(s, on_signal)
+if mode == "stubborn" and rank != 1:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+tmp = os.path.join(out, f".rank_{rank}.json.tmp")
+with open(tmp, "w") as f:
+    json.dump(info, f)
+os.replace(tmp, os.path.join(out, f"rank_{rank}.json"))  # whole or absent
+print(f"ready {rank} on stdout", flush=True)
+print(f"note {rank} on stderr", file=sys.stderr, flush=True)
 if mode == "ok":
     sys.exit(0)
 if mode in ("fail", "stubborn") and rank == 1:
     sys.exit(3 if mode == "fail" else 5)
-if mode == "stubborn":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
     time.sleep(0.05)
