@@ -324,9 +324,25 @@ def test_a_loader_without_length_that_yields_nothing_raises_naming_it():
     assert loader.passes == 1
 
 
-def test_a_one_shot_generator_raises_at_its_second_epoch():
+class OneShot:
+    """A one-shot iterator (``iter()`` returns itself, exhausted after one pass) that refuses to be looped over."""
+
+    def __init__(self, batches) -> None:
+        self.it, self.passes = iter(batches), 0
+
+    def __iter__(self):
+        self.passes += 1
+        if self.passes > 50:
+            raise AssertionError("fit kept starting epochs over an exhausted iterator")
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+
+def test_a_one_shot_iterator_raises_at_its_second_epoch():
     x, y = arrays(32)
-    gen = ((x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8))
+    gen = OneShot([(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)])
     t = _trainer(max_steps=10)
     with pytest.raises(jl.MisconfigurationError, match=r"yielded no batch in epoch 1: a one-shot iterator"):
         t.fit(EagerClassifier(), gen)

@@ -49,7 +49,8 @@ class Preemption(Callback):
     completed since ``fit`` started (the checkpoint resumed from is the latest).
     Running the same script with ``ckpt_path="last"`` resumes at that point.
 
-    A second signal ends the process at once (exit status 128 + the signal).
+    ``signals`` defaults to SIGTERM and SIGINT (SIGTERM only inside a Jupyter kernel, see
+    :func:`default_signals`). A second signal ends the process at once (exit status 128 + the signal).
     When the main thread reaches no stop point within ``stop_timeout`` seconds
     of the signal (it is blocked inside a loader with ``prefetch=0``, or in a
     collective whose peer process died), the process exits with status 143
@@ -74,11 +75,11 @@ class Preemption(Callback):
 
     def __init__(
         self,
-        signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+        signals: Sequence[int] | None = None,
         verbose: bool = True,
         stop_timeout: float | None = 120.0,
     ) -> None:
-        sigs = tuple(signals)
+        sigs = default_signals() if signals is None else tuple(signals)
         for s in sigs:
             if not isinstance(s, int):
                 raise ValueError(f"signals must be signal numbers (e.g. signal.SIGTERM), got {s!r}")
@@ -247,6 +248,12 @@ class Preemption(Callback):
         if self.received is None or self.stop_timeout is None or self._stopping:
             return False
         return time.monotonic() - max(self._received_at, self._progress_at) >= self.stop_timeout
+
+
+def default_signals() -> tuple[int, ...]:
+    """SIGTERM and SIGINT; in a Jupyter/IPython kernel SIGTERM only, so interrupting a cell keeps raising
+    ``KeyboardInterrupt`` there (and a second interrupt never ends the kernel)."""
+    return (signal.SIGTERM,) if "ipykernel" in sys.modules else (signal.SIGTERM, signal.SIGINT)
 
 
 def stop_poll(callbacks: Sequence[Callback]) -> Any:
