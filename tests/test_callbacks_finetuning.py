@@ -229,7 +229,7 @@ def test_backbone_finetuning_without_backbone_attribute():
 
 
 # ------------------------------------------------------------------------ BackboneFinetuning vs Lightning
-def _lightning_backbone_run(init: str, epochs: int) -> tuple[list[float], list[float]]:
+def _lightning_backbone_run(init: str, epochs: int, logs: str) -> tuple[list[float], list[float], dict]:
     pl = pytest.importorskip("pytorch_lightning")
     torch = pytest.importorskip("torch")
     from torch import nn
@@ -266,12 +266,14 @@ def _lightning_backbone_run(init: str, epochs: int) -> tuple[list[float], list[f
     y = torch.from_numpy(np.concatenate([b[1] for b in data()]))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
     cb = pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5)
+    mon = pl.callbacks.LearningRateMonitor()
     t = pl.Trainer(
-        max_epochs=epochs, callbacks=[cb, Rec()], accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=epochs, callbacks=[cb, Rec(), mon], accelerator="cpu", enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, logger=pl.loggers.CSVLogger(logs),
+        log_every_n_steps=1,
     )  # fmt: skip
     t.fit(Lit(), loader)
-    return losses, lrs
+    return losses, lrs, mon.lrs
 
 
 def test_backbone_finetuning_matches_lightning(tmp_path):
@@ -279,7 +281,7 @@ def test_backbone_finetuning_matches_lightning(tmp_path):
 
     init = str(tmp_path / "init.pt")
     epochs = 4
-    pl_losses, pl_lrs = _lightning_backbone_run(init, epochs)
+    pl_losses, pl_lrs, pl_monitored = _lightning_backbone_run(init, epochs, str(tmp_path / "pl_logs"))
 
     class Port(jl.LightningModule):
         def configure_model(self):
@@ -308,23 +310,97 @@ def test_backbone_finetuning_matches_lightning(tmp_path):
             lrs.append(groups[-1].lr if groups else 1e-2)
 
     cb = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5)
-    trainer = jl.Trainer(max_epochs=epochs, callbacks=[cb, Rec()], **quiet())
+    mon = jl.callbacks.LearningRateMonitor()
+    kw = {**quiet(), "logger": jl.loggers.CSVLogger(str(tmp_path / "logs")), "log_every_n_steps": 1}
+    trainer = jl.Trainer(max_epochs=epochs, callbacks=[cb, Rec(), mon], **kw)
     trainer.fit(Port(), data())
+    # the monitor after the unfreeze: lr-Adam's history moves to lr-Adam/pg1 and lr-Adam/pg2 appears, as in Lightning
+    assert sorted(mon.lrs) == sorted(pl_monitored) == ["lr-Adam/pg1", "lr-Adam/pg2"]
+    for name, values in pl_monitored.items():
+        np.testing.assert_allclose(mon.lrs[name], values, rtol=1e-6, err_msg=name)
     np.testing.assert_allclose(losses, pl_losses, rtol=1e-5)
     np.testing.assert_allclose(lrs, pl_lrs, rtol=1e-6)
     assert cb.previous_backbone_lr == pytest.approx(pl_lrs[-1])
     assert trainer.compile_counts["train"] == 2
 
 
-def test_resume_after_an_unfreeze_is_refused_and_before_it_works(tmp_path):
+def _states(trainer) -> dict[str, np.ndarray]:
+    import jax
+
+    st = trainer.train_state
+    flat = jax.tree_util.tree_flatten_with_path((st.params, st.model_state, st.opt_state))[0]
+
+    def host(v):
+        return np.array(jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+
+    return {jax.tree_util.keystr(k): host(v) for k, v in flat}
+
+
+def _assert_bit_identical(a, b) -> None:
+    sa, sb = _states(a), _states(b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+@pytest.mark.parametrize("resume_epoch", [0, 1, 2])
+def test_resume_before_or_after_an_unfreeze_continues_bit_identically(tmp_path, resume_epoch):
+    # frozen BatchNorm statistics (train_bn=False) until epoch 1's unfreeze; the added group's Adam moments,
+    # count and rate must come back from the checkpoint into a re-added group, and the statistics held
+    # or tracked as saved
     ckpt = jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_top_k=-1)
     kw = {**quiet(), "enable_checkpointing": True}
-    jl.Trainer(max_epochs=2, callbacks=[FreezeBackbone(at=1, lr=0.01), ckpt], **kw).fit(Model(), data())
-    before, after = (str(tmp_path / "ckpts" / f"epoch={e}-step={4 * (e + 1)}.ckpt") for e in (0, 1))
-    resumed = jl.Trainer(max_epochs=2, callbacks=[FreezeBackbone(at=1, lr=0.01)], **quiet())
-    resumed.fit(Model(), data(), ckpt_path=before)  # frozen then: the same optimizer; the unfreeze follows
-    assert resumed.global_step == 8 and len(resumed.engine.optimizer.groups) == 1
-    with pytest.raises(jl.CheckpointError, match="opt0_pg2"):  # the added group's state, named
-        jl.Trainer(max_epochs=3, callbacks=[FreezeBackbone(at=1, lr=0.01)], **quiet()).fit(
-            Model(), data(), ckpt_path=after
-        )
+    full = jl.Trainer(max_epochs=4, callbacks=[FreezeBackbone(at=1, lr=0.01), ckpt], **kw)
+    full.fit(Model(), data())
+    path = str(tmp_path / "ckpts" / f"epoch={resume_epoch}-step={4 * (resume_epoch + 1)}.ckpt")
+    resumed = jl.Trainer(max_epochs=4, callbacks=[FreezeBackbone(at=1, lr=0.01)], **quiet())
+    resumed.fit(Model(), data(), ckpt_path=path)
+    assert resumed.global_step == full.global_step == 16
+    assert [g.label for g in resumed.engine.optimizer.groups] == ["opt0_pg2"]
+    assert resumed.engine.optimizer.groups[0].keys == full.engine.optimizer.groups[0].keys
+    _assert_bit_identical(resumed, full)
+
+
+@pytest.mark.parametrize("kind", ["backbone", "scheduled"])
+def test_resume_keeps_the_growing_rate_and_the_epoch_scheduler_factor(tmp_path, kind):
+    # "backbone": BackboneFinetuning's rate grows every epoch from previous_backbone_lr (saved);
+    # "scheduled": an epoch scheduler halves group 0's rate and the added group follows by the factor
+    # measured from the last epoch start's rate (saved)
+    class Scheduled(Model):
+        def configure_optimizers(self):
+            tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+            sched = optax.exponential_decay(1e-2, 1, 0.5)
+            return {"optimizer": tx, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def run(ckpt_path=None, callbacks=()):
+        if kind == "backbone":
+            cb = BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5, backbone_initial_lr=1e-3)
+        else:
+            cb = FreezeBackbone(at=1, lr=1e-3)
+        kw = {**quiet(), "enable_checkpointing": bool(callbacks)}
+        t = jl.Trainer(max_epochs=5, callbacks=[cb, *callbacks], **kw)
+        t.fit(Scheduled() if kind == "scheduled" else Model(), data(), ckpt_path=ckpt_path)
+        return t, cb
+
+    ckpt = jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_top_k=-1)
+    full, fcb = run(callbacks=[ckpt])
+    resumed, rcb = run(ckpt_path=str(tmp_path / "ckpts" / "epoch=2-step=12.ckpt"))
+    if kind == "backbone":
+        assert rcb.previous_backbone_lr == fcb.previous_backbone_lr == pytest.approx(1e-3 * 1.5**3)
+    else:
+        assert full.engine.optimizer.groups[0].lr == pytest.approx(1e-3 * 0.5**3)
+    assert resumed.engine.optimizer.groups[0].lr == full.engine.optimizer.groups[0].lr
+    _assert_bit_identical(resumed, full)
+
+
+def test_a_tampered_finetuning_state_is_refused_before_anything_is_read(tmp_path):
+    cb = FreezeBackbone()
+    for bad, key in [
+        ({"internal_optimizer_metadata": {"0": [{"params": [1]}]}}, "params"),
+        ({"internal_optimizer_metadata": {"0": [{"params": ["a"], "lr": "x"}]}}, "lr"),
+        ({"held_batchnorms": "backbone"}, "held_batchnorms"),
+        ([], "dict"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=key):
+            cb.check_state_dict(bad)
+    cb.check_state_dict(cb.state_dict())

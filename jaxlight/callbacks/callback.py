@@ -48,6 +48,8 @@ class Callback:
       callback);
     - :meth:`eval_params`: other weights to evaluate with (EMA);
     - ``frozen_parameters``: parameters no optimizer updates (fine-tuning), a method or None;
+    - ``prepare_resume``: reshape what a resume restores into before it is read (fine-tuning's added
+      parameter groups), a method or None;
     - :meth:`wait_until_finished`: block until background work (async
       checkpoint commits) is done; the trainer calls it after fit and before a
       preemption exit;
@@ -65,6 +67,11 @@ class Callback:
     # variables of the module, a list of these; an empty list is allowed), called once per fit after
     # configure_model and before the optimizer is built. Those parameters get no update and no optimizer state.
     frozen_parameters: Callable[[Trainer, LightningModule], Any] | None = None
+    # None, or a method ``prepare_resume(trainer, pl_module, state_dict)`` called on a fit resume with this
+    # callback's saved state (already passed by check_state_dict), after the optimizer is built and before
+    # any array of the checkpoint is read: BaseFinetuning re-adds the parameter groups it had added, so the
+    # saved optimizer state of those groups has a place to go.
+    prepare_resume: Callable[[Trainer, LightningModule, Any], None] | None = None
 
     @property
     def state_key(self) -> str:

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
-from jaxlight.errors import MisconfigurationError
+from jaxlight.errors import CheckpointError, MisconfigurationError
 from jaxlight.optim.finetune import AddedGroup, carry_state, check_settable, set_learning_rates
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlight.state import nnx_attributes, path_str
@@ -185,22 +185,99 @@ class BaseFinetuning(Callback):
         self._optimizer_built = False
         self._last_lr: dict[int, float] = {}
         self._infos: dict[int, tuple[Any, Any]] = {}  # optimizer index -> (its BuiltOptimizer, TransformInfo)
+        self._module: Any = None  # the LightningModule of the current fit (its BatchNorm flags are saved)
 
     # -- Lightning's state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"internal_optimizer_metadata": self._internal_optimizer_metadata}
+        # Lightning's key, plus what a resume after an unfreeze needs to continue exactly: the rate each
+        # optimizer had at the last epoch start (the schedulers' factor is measured against it) and the
+        # BatchNorm layers whose statistics are held (torch keeps track_running_stats in the module itself)
+        return {
+            "internal_optimizer_metadata": self._internal_optimizer_metadata,
+            "last_lr": {str(k): v for k, v in self._last_lr.items()},
+            "held_batchnorms": self._held_batchnorms(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restarting = True
         self._internal_optimizer_metadata = {
             int(k): v for k, v in state_dict.get("internal_optimizer_metadata", {}).items()
         }
+        self._last_lr = {int(k): float(v) for k, v in state_dict.get("last_lr", {}).items()}
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"expected a dict, got {type(state_dict).__name__}")
+        meta = state_dict.get("internal_optimizer_metadata", {})
+        if not isinstance(meta, dict):
+            raise TypeError(f"internal_optimizer_metadata: expected a dict, got {type(meta).__name__}")
+        for k, groups in meta.items():
+            int(k)
+            if not isinstance(groups, list):
+                raise TypeError(f"internal_optimizer_metadata[{k!r}]: expected a list of param groups")
+            for i, g in enumerate(groups):
+                params = g.get("params") if isinstance(g, dict) else None
+                if not (isinstance(params, list) and all(isinstance(x, str) for x in params)):
+                    raise TypeError(f"internal_optimizer_metadata[{k!r}][{i}]['params']: expected parameter paths")
+                if g.get("lr") is not None and not isinstance(g["lr"], (int, float)):
+                    raise TypeError(f"internal_optimizer_metadata[{k!r}][{i}]['lr']: expected a number")
+        for k, v in state_dict.get("last_lr", {}).items():
+            int(k), float(v)
+        held = state_dict.get("held_batchnorms", [])
+        if not (isinstance(held, list) and all(isinstance(x, str) for x in held)):
+            raise TypeError("held_batchnorms: expected a list of module paths")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning restores the added param groups here. jaxlight restores the optimizer state before any
-        # hook, into the optimizer as configure_optimizers built it: a checkpoint saved after an unfreeze
-        # holds the added groups' state too, and the restore fails with a CheckpointError naming it.
+        # Lightning re-adds the saved param groups here; jaxlight has done it already, in prepare_resume,
+        # before the checkpoint's optimizer state was read into them
         self._restarting = False
+
+    def prepare_resume(self, trainer: Trainer, pl_module: LightningModule, state_dict: dict[str, Any]) -> None:
+        """A resume after an unfreeze: the groups added since the optimizer was built are added again (same
+        labels, parameters and rates), their parameters unfrozen and the BatchNorm layers' statistics held
+        as they were saved, so the checkpoint's optimizer state, moments of the added groups included,
+        restores into the same optimizer and training continues exactly."""
+        cfg = trainer.engine.optimizer
+        meta = {int(k): v for k, v in state_dict.get("internal_optimizer_metadata", {}).items()}
+        if cfg is None or not meta:
+            return
+        by_path = {v: k for k, v in self._paths(pl_module).items()}
+        new: list[AddedGroup] = []
+        for index, groups in sorted(meta.items()):
+            if index >= len(cfg.optimizers):
+                raise CheckpointError(
+                    f"{type(self).__name__}'s saved state has parameter groups for optimizer {index}, but "
+                    f"configure_optimizers returns {len(cfg.optimizers)} optimizer(s)"
+                )
+            have = sum(g.optimizer == index for g in cfg.groups)
+            for n, g in enumerate(groups[1 + have :], start=have + 2):  # group 1 is the optimizer's own
+                missing = [k for k in g["params"] if k not in by_path]
+                if missing:
+                    raise CheckpointError(
+                        f"{type(self).__name__}'s saved parameter group opt{index}_pg{n} names parameters this "
+                        f"module does not have: {missing[:5]}"
+                    )
+                for k in g["params"]:
+                    self._frozen.pop(by_path[k], None)
+                lr = g["lr"] if g.get("lr") is not None else 0.0  # the real rate comes with the optimizer state
+                new.append(AddedGroup(index, f"opt{index}_pg{n}", tuple(g["params"]), float(lr)))
+        held = set(state_dict.get("held_batchnorms", []))
+        for p, node in nnx.iter_graph(nnx_attributes(pl_module)):
+            if isinstance(node, nnx.BatchNorm):
+                node.track_running_stats = path_str(p) not in held
+        if new:
+            self._rebuild(trainer, new, [])
+        trainer.engine.refresh_train_modes()
+
+    def _held_batchnorms(self) -> list[str]:
+        module = self._module
+        if module is None:
+            return []
+        return sorted(
+            path_str(p)
+            for p, n in nnx.iter_graph(nnx_attributes(module))
+            if isinstance(n, nnx.BatchNorm) and n.track_running_stats is False
+        )
 
     # -- modules and parameters ---------------------------------------------------------------
     @staticmethod
@@ -304,6 +381,7 @@ class BaseFinetuning(Callback):
 
     # -- the hooks -----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._module = pl_module
         self._froze = False
         self._optimizer_built = False
         self._last_lr = {}
@@ -362,9 +440,10 @@ class BaseFinetuning(Callback):
                 pass
 
     def _store(self, index: int, before: int, groups: list[_ParamGroup]) -> None:
-        meta = self._internal_optimizer_metadata.setdefault(index, [])
-        if not meta or before != len(groups):
-            meta[:] = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
+        # every epoch, not only when the group count changes (Lightning): the rates stored are those a
+        # resume re-adds the groups with (the optimizer state then brings the exact values)
+        del before
+        self._internal_optimizer_metadata[index] = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
 
     def _apply(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
         """One optimizer rebuild for every group added in this hook; learning rates written into the state."""
@@ -373,18 +452,7 @@ class BaseFinetuning(Callback):
         new = [g for opt in handles for g in opt._new]
         base = [(cfg.optimizers[o.index].state_of, o._lr0) for o in handles if o._lr0_set]
         if new:
-            module = trainer.lightning_module
-            grown = dataclasses.replace(cfg, groups=[*cfg.groups, *new])
-            rebuilt = grown.build(module, trainer.train_state.params, frozen=cfg.frozen)
-            targets = [(g.state_of, g.lr) for g in rebuilt.groups]
-            base = [(rebuilt.optimizers[o.index].state_of, o._lr0) for o in handles if o._lr0_set]
-            engine.replace_optimizer(rebuilt, lambda old, fresh: set_learning_rates(carry_state(old, fresh), targets))
-            if base:
-                st = engine.train_state
-                engine.train_state = st._replace(opt_state=set_learning_rates(st.opt_state, base))
-            for cb in trainer.callbacks:  # its targets are positions in the optimizer state, which changed
-                if isinstance(cb, LRSchedulerStepper):
-                    cb.on_train_start(trainer, module)
+            self._rebuild(trainer, new, [o for o in handles if o._lr0_set])
             added = sum(len(g.keys) for g in new)
             rank_zero_info(
                 f"jaxlight: {type(self).__name__} added {len(new)} parameter group(s) ({added} parameters) at epoch "
@@ -394,6 +462,25 @@ class BaseFinetuning(Callback):
             targets = [(g.state_of, g.lr) for g in cfg.groups] + base
             st = engine.train_state
             engine.train_state = st._replace(opt_state=set_learning_rates(st.opt_state, targets))
+
+    @staticmethod
+    def _rebuild(trainer: Any, new: list[AddedGroup], lr0_set: list[FinetuneOptimizer]) -> None:
+        """Rebuild the optimizer with the groups ``new`` added (their state fresh, the others' carried) and
+        group 0's rate of each optimizer in ``lr0_set`` written."""
+        engine = trainer.engine
+        cfg = engine.optimizer
+        module = trainer.lightning_module
+        grown = dataclasses.replace(cfg, groups=[*cfg.groups, *new])
+        rebuilt = grown.build(module, trainer.train_state.params, frozen=cfg.frozen)
+        targets = [(g.state_of, g.lr) for g in rebuilt.groups]
+        engine.replace_optimizer(rebuilt, lambda old, fresh: set_learning_rates(carry_state(old, fresh), targets))
+        base = [(rebuilt.optimizers[o.index].state_of, o._lr0) for o in lr0_set]
+        if base:
+            st = engine.train_state
+            engine.train_state = st._replace(opt_state=set_learning_rates(st.opt_state, base))
+        for cb in trainer.callbacks:  # its targets are positions in the optimizer state, which changed
+            if isinstance(cb, LRSchedulerStepper):
+                cb.on_train_start(trainer, module)
 
     # -- to override -----------------------------------------------------------------------------
     def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: FinetuneOptimizer) -> None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
+from jaxlight.optim.schedules import driven_states
 from jaxlight.rank_zero import rank_zero_warn
 
 
@@ -19,13 +20,15 @@ class _Entry(NamedTuple):
     optimizer: int  # index into trainer.engine.optimizer.optimizers
     interval: str | None  # the scheduler's interval; None: an optimizer without scheduler (logged at both)
     names: list[str | None]  # one per optimized parameter group; None where its rate cannot be read
+    added: list[tuple[str, Any]] = []  # (name, AddedGroup) for the groups fine-tuning added (BaseFinetuning)
 
 
-def _suffix(name: str, groups: list[Any], j: int) -> str:
-    """Lightning's param-group suffix: ``/pg2`` or ``/<name>`` with several groups, ``/<name>`` for a
-    single group the user named, nothing for a single unnamed one."""
+def _suffix(name: str, groups: list[Any], j: int, added: int = 0) -> str:
+    """Lightning's param-group suffix: ``/pg2`` or ``/<name>`` with several groups (``added``: groups
+    added since the optimizer was built count too), ``/<name>`` for a single group the user named,
+    nothing for a single unnamed one."""
     g = groups[j]
-    if len(groups) > 1:
+    if len(groups) + added > 1:
         return f"{name}/{g.label if g.label is not None else f'pg{j + 1}'}"
     return f"{name}/{g.label}" if g.explicit and g.label is not None else name
 
@@ -38,11 +41,13 @@ def _plan(config: Any, infos: list[Any]) -> list[_Entry]:
     entries: list[_Entry] = []
     with_scheduler: set[int] = set()
 
-    def names(base: str, kind: str, i: int) -> list[str | None]:
+    def entry(base: str, kind: str, i: int, interval: str | None) -> _Entry:
         if kind in seen and seen[kind] > 1:
             base = f"{base}-{seen[kind] - 1}"
         groups = infos[i].optimized_groups
-        return [_suffix(base, groups, j) if g.readable else None for j, g in enumerate(groups)]
+        added = [g for g in config.groups if g.optimizer == i]
+        names = [_suffix(base, groups, j, len(added)) if g.readable else None for j, g in enumerate(groups)]
+        return _Entry(i, interval, names, [(f"{base}/pg{len(groups) + k + 1}", g) for k, g in enumerate(added)])
 
     for c in config.schedulers:
         i = c.optimizer_index
@@ -50,14 +55,27 @@ def _plan(config: Any, infos: list[Any]) -> list[_Entry]:
         with_scheduler.add(i)
         if c.name is None:
             seen[kind] += 1
-        entries.append(_Entry(i, c.interval, names(c.name if c.name is not None else f"lr-{kind}", kind, i)))
+        entries.append(entry(c.name if c.name is not None else f"lr-{kind}", kind, i, c.interval))
     for i, info in enumerate(infos):
         if i in with_scheduler:
             continue
         kind = _kind(info)
         seen[kind] += 1
-        entries.append(_Entry(i, None, names(f"lr-{kind}", kind, i)))
+        entries.append(entry(f"lr-{kind}", kind, i, None))
     return entries
+
+
+def _added_values(group: Any, state: Any) -> dict[str, Any]:
+    """An added group's rate (and momentum, weight decay), from its injected state: the host sets it as a
+    number (jaxlight.optim.finetune.set_learning_rates), so the stored value is the one the next update uses."""
+    hp = driven_states(group.state_of(state))[0].hyperparams
+    out = {"lr": hp["learning_rate"]}
+    momentum = hp.get("b1", hp.get("momentum"))
+    if momentum is not None:
+        out["momentum"] = momentum
+    if "weight_decay" in hp:
+        out["weight_decay"] = hp["weight_decay"]
+    return out
 
 
 def _kind(info: Any) -> str:
@@ -126,6 +144,7 @@ class LearningRateMonitor(Callback):
         self.last_weight_decay_values: dict[str, float | None] = {}
         self._entries: list[_Entry] = []
         self._infos: list[Any] = []  # jaxlight.optim.TransformInfo per optimizer, read at train start
+        self._config: Any = None  # the optimizer config planned for; BaseFinetuning replaces it when adding groups
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.loggers and not trainer.fast_dev_run:
@@ -147,11 +166,34 @@ class LearningRateMonitor(Callback):
         if unread or partial:
             parts = ([f"the learning rate of {', '.join(unread)}"] if unread else []) + partial
             rank_zero_warn(f"LearningRateMonitor does not log {'; '.join(parts)}. {_HOW}")
-        self._entries = _plan(config, self._infos)
-        names = [n for e in self._entries for n in e.names if n is not None]
+        self._config, self._entries = config, _plan(config, self._infos)
+        names = self._names()
         self.lrs = {n: [] for n in names}
         self.last_momentum_values = {f"{n}-momentum": None for n in names}
         self.last_weight_decay_values = {f"{n}-weight_decay": None for n in names}
+
+    def _names(self) -> list[str]:
+        return [n for e in self._entries for n in [*e.names, *(a for a, _ in e.added)] if n is not None]
+
+    def _replan(self, trainer: Any) -> None:
+        """The optimizer was rebuilt with added groups: plan again, and, as Lightning does, move the history
+        of ``lr-Adam`` to ``lr-Adam/pg1`` when the first group gets a suffix; new names start empty."""
+        config = trainer.engine.optimizer
+        self._infos = config.inspect(trainer.train_state.opt_state, trainer.train_state.params)
+        self._config, self._entries = config, _plan(config, self._infos)
+        for name in self._names():
+            old = name.replace("/pg1", "")
+            if "/pg1" in name and old in self.lrs:
+                self.lrs[name] = self.lrs.pop(old)
+                for d, tail in (
+                    (self.last_momentum_values, "-momentum"),
+                    (self.last_weight_decay_values, "-weight_decay"),
+                ):
+                    d[name + tail] = d.pop(old + tail, None)
+            elif name not in self.lrs:
+                self.lrs[name] = []
+                self.last_momentum_values[f"{name}-momentum"] = None
+                self.last_weight_decay_values[f"{name}-weight_decay"] = None
 
     def _should_log_step(self, trainer: Any) -> bool:
         # the trainer logs metrics of update g (0-based) when (g + 1) % log_every_n_steps == 0
@@ -169,6 +211,8 @@ class LearningRateMonitor(Callback):
             self._log(trainer, "epoch" if self.logging_interval is None else "any")
 
     def _extract(self, trainer: Any, interval: str) -> dict[str, float]:
+        if trainer.engine.optimizer is not self._config:
+            self._replan(trainer)
         entries = [e for e in self._entries if interval == "any" or e.interval in (None, interval)]
         if not entries:
             return {}
@@ -180,7 +224,8 @@ class LearningRateMonitor(Callback):
                 read[e.optimizer] = self._infos[e.optimizer].values(config.optimizers[e.optimizer].state_of(state))
         values: dict[str, Any] = {}
         for e in entries:
-            for name, got in zip(e.names, read[e.optimizer]):
+            pairs = [*zip(e.names, read[e.optimizer]), *((n, _added_values(g, state)) for n, g in e.added)]
+            for name, got in pairs:
                 if name is None:
                     continue
                 values[name] = got["lr"]

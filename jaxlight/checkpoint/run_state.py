@@ -311,6 +311,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         )
     if fit:
         _check_callback_states(trainer, ckpt, meta.file or path)
+        _prepare_callbacks(trainer, ckpt)
     arrays = restore_arrays(path, _targets(trainer, with_train=fit), meta.get("key_impls", {}))
     params = arrays["model"].get("params", {})
     model_state = arrays["model"].get("rest", {})
@@ -355,6 +356,14 @@ def _check_callback_states(trainer: Trainer, ckpt: Mapping[str, Any], where: Any
             raise CheckpointError(
                 f"checkpoint metadata {where} is malformed at checkpoint['callbacks'][{cb.state_key!r}]: {e}"
             ) from None
+
+
+def _prepare_callbacks(trainer: Trainer, ckpt: Mapping[str, Any]) -> None:
+    """Callbacks that change what the arrays restore into (:attr:`Callback.prepare_resume`) do so first."""
+    states = ckpt.get("callbacks", {})
+    for cb in trainer.callbacks:
+        if callable(cb.prepare_resume) and cb.state_key in states:
+            cb.prepare_resume(trainer, trainer.lightning_module, states[cb.state_key])
 
 
 def _restore_host_state(trainer: Trainer, ckpt: dict[str, Any], path: Path) -> None:
