@@ -324,6 +324,7 @@ POLL_INTERVAL = 0.1
 
 # Extra keys jaxlight adds to a loader's saved state (removed before ``load_state_dict``).
 GENERATOR_KEY = "_jaxlight_generator_state"
+EPOCH_GENERATOR_KEY = "_jaxlight_epoch_generator_state"  # a plain loader's generator as its epoch began
 FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
 
 
@@ -410,7 +411,8 @@ class Prefetcher:
     The transfer of batch i+1 runs while step i computes. ``loader_state``
     records the loader's own state after each batch, so a checkpoint saved
     after consuming batch i resumes at i+1 even though i+1 was already read.
-    Stops after ``limit`` batches. With ``exact`` every batch passes as it
+    Stops after ``limit`` batches; when ``limit`` is the loader's own end, ``drain`` more reads finish its
+    epoch as a ``for`` loop does (see :meth:`_finish`). With ``exact`` every batch passes as it
     is, whatever its row count (the loop runs it in a step compiled for its
     shape), placed by :meth:`BatchPlacer.rows_entry` (rows the batch axes
     cannot split are replicated over them); the first batch of a train epoch
@@ -446,8 +448,10 @@ class Prefetcher:
         interrupt: Callable[[bool], None] | None = None,
         signature: BatchSignature | None = None,
         exact: bool = False,
+        drain: int = 0,
     ) -> None:
         self.loader = loader
+        self.drain = drain
         self.pad = pad
         self.interrupt = interrupt
         self.signature = signature
@@ -461,6 +465,7 @@ class Prefetcher:
         self.expected_rows = expected_rows
         self.dropped = 0
         self._stop = threading.Event()
+        self._epoch_generator: Any = None  # see _plain_state
         self._interrupted = False
         self._inline: Iterator[Prefetched] | None = None
         self._thread: threading.Thread | None = None
@@ -483,7 +488,9 @@ class Prefetcher:
                 raw = next(it)
             except StopIteration:
                 break
-            state = self._loader_state() if has_state else None
+            if self.limit is not None and i + 1 >= self.limit:
+                self._finish(it)  # before the last batch's state is taken: it then holds the epoch's end
+            state = self._loader_state() if has_state else self._plain_state(i + 1 == self.limit)
             leaves, treedef, rows = flat_host_batch(raw)
             if rows is None:  # not all arrays with one leading dim: say which leaf is wrong
                 rows = batch_rows(jax.tree_util.tree_unflatten(treedef, leaves), i)
@@ -516,6 +523,28 @@ class Prefetcher:
             self.placer.check(grows, i)
             yield Prefetched(i, self.placer.place_flat(leaves, treedef), grows, state)
             i += 1
+
+    def _finish(self, it: Iterator) -> None:
+        """At the loader's own end (``drain`` reads: the StopIteration, after a dropped ragged batch), read on
+        as a ``for`` loop would: a torch ``RandomSampler`` draws from its generator once more as its epoch
+        ends, and skipping that would give the next epoch another order than the user's own loop."""
+        for _ in range(self.drain):
+            try:
+                next(it)
+            except StopIteration:
+                return
+
+    def _plain_state(self, last: bool) -> Any:
+        """A loader without ``state_dict`` but with a torch generator (a plain ``DataLoader(shuffle=True,
+        generator=g)``): the generator as the epoch began (a resume inside the epoch draws the same order and
+        skips what was consumed), and after the last batch the generator as the epoch ended (where the next
+        epoch's order comes from)."""
+        if self._epoch_generator is None:
+            return None
+        state = {EPOCH_GENERATOR_KEY: self._epoch_generator}
+        if last:
+            state[GENERATOR_KEY] = self.loader.generator.get_state()
+        return state
 
     def _run(self) -> None:
         try:
@@ -583,6 +612,12 @@ class Prefetcher:
             if gen_state is not None and gen is not None:
                 gen.set_state(gen_state)
             return it
+        if _settable(gen):  # a plain torch loader: its order comes from the generator's state at iter()
+            saved = saved if isinstance(saved, Mapping) else {}
+            start_state = saved.get(EPOCH_GENERATOR_KEY) if self.start else saved.get(GENERATOR_KEY)
+            if start_state is not None:
+                gen.set_state(start_state)
+            self._epoch_generator = gen.get_state()
         it = iter(self.loader)
         for _ in range(self.start):  # a plain re-iterable: skip what the checkpoint had consumed
             try:
@@ -648,6 +683,10 @@ class Prefetcher:
         except queue.Empty:
             pass
         self._thread.join(timeout=0 if self._interrupted else 5)
+
+
+def _settable(gen: Any) -> bool:
+    return callable(getattr(gen, "get_state", None)) and callable(getattr(gen, "set_state", None))
 
 
 BatchSignature = tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]

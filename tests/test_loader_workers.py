@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -78,3 +79,46 @@ def test_a_script_that_trains_outside_its_main_guard_keeps_fork(tmp_path):
     main = type("Main", (), {"__file__": str(script), "__spec__": None})()
     assert workers._main_reruns(main)
     assert workers._guards(main) == [(2, 3)]
+
+
+class FirstValues(jl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(float(np.asarray(batch[0])[0, 0]))
+
+
+@pytest.mark.parametrize("rows, ragged", [(96, "keep"), (90, "keep"), (90, "drop")])
+def test_epoch_orders_with_a_seeded_generator_are_the_users_own_loops(rows, ragged):
+    # torch's RandomSampler draws from its generator once more when its epoch ends: a loop that stops reading
+    # at len(loader) gave epoch 2 another order than the user's `for` loop (and than num_workers > 0)
+    def dl():
+        ds = torch.utils.data.TensorDataset(torch.from_numpy(X[:rows]), torch.from_numpy(Y[:rows]))
+        return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+    own, loader = [], dl()
+    for _ in range(3):
+        own += [float(x[0, 0]) for x, _ in loader if ragged == "keep" or len(x) == 16]
+    rec = FirstValues()
+    jl.Trainer(max_epochs=3, devices=1, callbacks=[rec], ragged_batches=ragged, **quiet()).fit(Classifier(), dl())
+    assert rec.seen == own
+
+
+def test_a_plain_shuffled_loader_resumes_in_its_own_order(tmp_path):
+    # a plain DataLoader has no state_dict: its order comes from the generator's state when an epoch starts,
+    # which the checkpoint now keeps (the epoch's start inside it, the epoch's end after its last batch)
+    def dl():
+        ds = torch.utils.data.TensorDataset(torch.from_numpy(X), torch.from_numpy(Y))
+        return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+    full = FirstValues()
+    ckpt = jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_top_k=-1, every_n_train_steps=3)
+    kw = {**quiet(), "enable_checkpointing": True}
+    jl.Trainer(max_epochs=3, devices=1, callbacks=[full, ckpt], **kw).fit(Classifier(), dl())
+    assert len(full.seen) == 18
+    for name, done in [("epoch=0-step=6", 6), ("epoch=1-step=9", 9), ("epoch=1-step=12", 12)]:
+        rec = FirstValues()
+        trainer = jl.Trainer(max_epochs=3, devices=1, callbacks=[rec], **quiet())
+        trainer.fit(Classifier(), dl(), ckpt_path=str(tmp_path / f"{name}.ckpt"))
+        assert rec.seen == full.seen[done:], name
