@@ -51,6 +51,7 @@ With PyTorch Lightning installed it also runs the same MLP in torch, through
 same way, so both frameworks' overheads stand side by side.
 
     python benchmarks/overhead.py --tiny          # 9 rounds x 400 steps
+    python benchmarks/overhead.py --tiny --steps-per-execution 32   # + a row with N=32 steps per call
 """
 
 from __future__ import annotations
@@ -269,7 +270,12 @@ class EpochAlternate:
 
 
 def tiny_jaxlight(
-    rounds: int, steps: int, root: str, prefetch: int | None = None, on_epoch: bool = False
+    rounds: int,
+    steps: int,
+    root: str,
+    prefetch: int | None = None,
+    on_epoch: bool = False,
+    steps_per_execution: int = 1,
 ) -> tuple[list[float], list[float], jl.Trainer]:
     batches = tiny_batches(steps)
     hand = TinyHand()
@@ -288,7 +294,14 @@ def tiny_jaxlight(
     cb = Cb()
     # every default on: progress bar, ModelCheckpoint (one save per epoch), preemption, CSV logger
     extra = {} if prefetch is None else {"prefetch": prefetch}
-    trainer = jl.Trainer(max_epochs=rounds + 1, devices=1, callbacks=[cb], default_root_dir=root, **extra)
+    trainer = jl.Trainer(
+        max_epochs=rounds + 1,
+        devices=1,
+        callbacks=[cb],
+        default_root_dir=root,
+        steps_per_execution=steps_per_execution,
+        **extra,
+    )
     trainer.fit(TinyModule(on_epoch), train_dataloaders=batches)
     return cb.framework_ms, cb.baseline_ms, trainer
 
@@ -381,6 +394,13 @@ def tiny(args) -> None:
         rows.append(("jaxlight.Trainer", "jax.jit + optax", fw, base))
         if trainer.compile_counts["train"] != 1:
             raise RuntimeError(f"the trainer compiled {trainer.compile_counts['train']} times; expected 1")
+        n = args.steps_per_execution
+        if n > 1:  # Trainer(steps_per_execution=N): N steps per compiled call, beside the N=1 row
+            fw, base, trainer = tiny_jaxlight(args.rounds, args.tiny_steps, root, args.prefetch, args.epoch_log, n)
+            rows.append((f"jaxlight N={n}", "jax.jit + optax", fw, base))
+            want = 1 if args.tiny_steps % n == 0 else 2  # the epoch's partial last execution compiles once
+            if trainer.compile_counts["train"] != want:
+                raise RuntimeError(f"the trainer compiled {trainer.compile_counts['train']} times; expected {want}")
         if not args.no_lightning:
             lit = tiny_lightning(args.rounds, args.tiny_steps, root, args.epoch_log)
             if lit is not None:
@@ -405,6 +425,12 @@ def main() -> None:
     p.add_argument("--no-lightning", action="store_true", help="--tiny without the PyTorch Lightning rows")
     p.add_argument("--epoch-log", action="store_true", help="--tiny: log train_loss with on_epoch=True too")
     p.add_argument("--prefetch", type=int, default=None, help="Trainer(prefetch=N); 0 reads batches inline")
+    p.add_argument(
+        "--steps-per-execution",
+        type=int,
+        default=1,
+        help="--tiny: also a row with Trainer(steps_per_execution=N) (N train steps per compiled call)",
+    )
     p.add_argument("--scan", action="store_true", help="the reference model with its blocks as a scanned LayerStack")
     p.add_argument("--rounds", type=int, default=12, help="trainer/hand segment pairs")
     p.add_argument("--steps", type=int, default=6, help="steps per segment")

@@ -9,8 +9,9 @@ batches, one device:
   epoch, model summary, preemption handling, and a per-batch timing callback
   (what a user adds first);
 - ``jaxlight bare``: no progress bar, logger, checkpoint or summary;
-- ``jaxlight steps_per_execution=32``: only once ``Trainer`` has that argument
-  (issue 25 item 1); until then the row says it is not built;
+- ``jaxlight steps_per_execution=32``: the defaults row with
+  ``Trainer(steps_per_execution=32)``, 32 train steps per compiled call (the
+  per-batch callbacks run after each call);
 - ``Keras 3 model.fit`` on JAX with ``steps_per_execution`` 1 and 32, at
   Keras's defaults (progress bar, History); the transformer is the very same
   NNX model inside a ``keras.layers.JaxLayer``, the MLPs are Keras ``Dense``
@@ -58,7 +59,6 @@ if os.environ.setdefault("KERAS_BACKEND", "jax") != "jax":
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import logging
 import statistics
 import subprocess
@@ -414,10 +414,6 @@ class Jaxlight(Framework):
             raise RuntimeError(f"{self.name} compiled its train step {trainer.compile_counts['train']} times")
 
 
-def jaxlight_has_steps_per_execution() -> bool:
-    return "steps_per_execution" in inspect.signature(jl.Trainer.__init__).parameters
-
-
 class Keras(Framework):
     def __init__(self, wl, batches, epochs, root, spe: int) -> None:
         self.spe = spe
@@ -555,10 +551,7 @@ def contenders(wl: Workload, steps: int, rounds: int, root: str, args) -> tuple[
         out.append(
             Jaxlight(wl, batches, epochs, os.path.join(root, wl.name, "jlp"), defaults=True, prefetch=args.prefetch_row)
         )
-    if jaxlight_has_steps_per_execution():
-        out.append(Jaxlight(wl, batches, epochs, os.path.join(root, wl.name, "jl32"), defaults=True, spe=multi))
-    else:
-        notes.append(f"jaxlight steps_per_execution={multi}: not built yet (issue 25 item 1), no row")
+    out.append(Jaxlight(wl, batches, epochs, os.path.join(root, wl.name, "jl32"), defaults=True, spe=multi))
     if not args.no_keras and not _importable("keras"):
         notes.append("keras not installed: no Keras rows")
     elif not args.no_keras:

@@ -91,6 +91,7 @@ class TrainerConfig:
     prefetch: int
     compile_cache: bool | str | os.PathLike | None
     device_memory: int | str | None
+    steps_per_execution: int = 1
 
     def stepping_batches(self, batches_per_epoch: int | float) -> int | float | None:
         """Optimizer steps a fit takes, as Lightning counts them: ``ceil(batches_per_epoch /
@@ -141,6 +142,7 @@ class TrainerConfig:
         prefetch: int = 2,
         compile_cache: bool | str | os.PathLike | None = None,
         device_memory: int | str | None = None,
+        steps_per_execution: int = 1,
     ) -> TrainerConfig:
         """Check every argument (raising :class:`MisconfigurationError` with the numbers) and resolve it."""
         check_types(locals())
@@ -172,6 +174,7 @@ class TrainerConfig:
                 f"prefetch must be an int >= 0 (batches read ahead on a background thread; 0 reads them inline), "
                 f"got {prefetch!r}"
             )
+        check_steps_per_execution(steps_per_execution)
         if deterministic and jax.default_backend() == "gpu":
             if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
                 raise MisconfigurationError(
@@ -261,6 +264,7 @@ class TrainerConfig:
             prefetch=prefetch,
             compile_cache=compile_cache,
             device_memory=device_memory,
+            steps_per_execution=int(steps_per_execution),
         )
 
 
@@ -315,6 +319,7 @@ class ConfigAttributes:
     ragged_batches = ConfigAttribute()
     process_local_batches = ConfigAttribute()
     prefetch = ConfigAttribute()
+    steps_per_execution = ConfigAttribute()
 
     @property
     def precision(self) -> str:
@@ -371,6 +376,18 @@ def check_types(arguments: Mapping[str, Any]) -> None:
     root = arguments.get("default_root_dir")
     if root is not None and not isinstance(root, (str, os.PathLike)):
         raise MisconfigurationError(f"default_root_dir must be a path (str or os.PathLike), got {type(root).__name__}")
+
+
+def check_steps_per_execution(n: Any) -> None:
+    """``steps_per_execution``: train batches per compiled call, an int >= 1 (Keras's argument of that name).
+
+    Only the argument itself is checked here; whether the run's cadences (validation, checkpoints,
+    ``max_steps``) fall on execution boundaries depends on the epoch length and the callbacks, and is
+    checked when ``fit`` starts (:func:`jaxlight.executions.plan_executions`)."""
+    if not _is_int(n) or n < 1:
+        raise MisconfigurationError(
+            f"steps_per_execution must be an int >= 1 (train batches run by one compiled call), got {n!r}"
+        )
 
 
 def check_limit(name: str, value: Limit) -> Limit:
@@ -487,6 +504,7 @@ __all__ = [
     "TrainerConfig",
     "check_limit",
     "check_log_dirs",
+    "check_steps_per_execution",
     "check_types",
     "resolve_devices",
     "resolve_loggers",

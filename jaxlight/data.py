@@ -699,9 +699,12 @@ def batch_signature(leaves: Sequence[Any], treedef: Any) -> BatchSignature:
 
 
 def compiled_signature(compiled: Any) -> BatchSignature | None:
-    """The batch signature a compiled train step ``(state, batch, ...)`` takes (None when it does not say)."""
+    """The batch signature a compiled train step ``(state, batch, ...)`` takes (None when it does not say).
+    A multi-step program (``steps_per_execution``, its ``batch_idx`` one per step) takes a tuple of batches of
+    one signature: its first batch's."""
     try:
-        infos, treedef = jax.tree.flatten(compiled.args_info[0][1])
+        args = compiled.args_info[0]
+        infos, treedef = jax.tree.flatten(args[1][0] if args[2].shape else args[1])
         return treedef, tuple((tuple(a.shape[1:]), jax.dtypes.canonicalize_dtype(a.dtype)) for a in infos)
     except (AttributeError, IndexError, TypeError):
         return None

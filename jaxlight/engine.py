@@ -28,6 +28,7 @@ from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
 from jaxlight.hooks import step_call
 from jaxlight.metrics import StepContext, step_context
+from jaxlight.multistep import MultiStep
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig, configure, select_params
 from jaxlight.precision import Precision
@@ -88,6 +89,8 @@ class Engine:
         self._slots: tuple[tuple[int, ...], list | None] | None = None  # the module's variables, by key
         self.eval_steps: dict[tuple[str, Any], Any] = {}  # compiled evaluation steps by (key, batch signature)
         self.train_steps: dict[Any, Any] = {}  # compiled train steps by batch signature (a ragged batch: its own)
+        # steps_per_execution > 1: the compiled multi-step programs by (steps, batch signature)
+        self.multi_steps: dict[tuple[int, Any], Any] = {}
 
     # -- context ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -118,6 +121,7 @@ class Engine:
             self.compiled = {}
             self.eval_steps = {}
             self.train_steps = {}
+            self.multi_steps = {}
             self._synced = None
         self._slots = None
         self.module = module
@@ -346,8 +350,7 @@ class Engine:
         )
         step = jax.device_put(jnp.int32(global_step), NamedSharding(self.mesh, P()))
         self.train_state = TrainState(params, rest, opt_state, extra, step)
-        self.compiled.pop("train", None)
-        self.train_steps = {}
+        self._drop_train_programs()
         self.refresh_train_modes()
 
     def refresh_train_modes(self) -> bool:
@@ -367,8 +370,7 @@ class Engine:
             return False
         self.parts = builder.parts = parts._replace(train_graphdef=graphdef)
         builder.held_rest = held
-        self.compiled.pop("train", None)
-        self.train_steps = {}
+        self._drop_train_programs()
         kept = [
             p for p, n in nnx.iter_graph(models) if module.training and isinstance(n, nnx.Module) and in_eval_mode(n)
         ]
@@ -405,8 +407,7 @@ class Engine:
             handles=optimizer.handles,
         )
         self.builder.held_rest = old.held_rest
-        self.compiled.pop("train", None)
-        self.train_steps = {}
+        self._drop_train_programs()
 
     def _check_state_on_device(self, callbacks: Sequence[Callback], shardings: Mapping[str, Any]) -> None:
         for cb in callbacks:
@@ -565,6 +566,38 @@ class Engine:
     def train_step_for(self, batch: Any) -> Any:
         """The train step compiled for this batch's shapes and dtypes, or None (a ragged batch not seen yet)."""
         return self.train_steps.get(_signature(batch))
+
+    def compile_train_steps(
+        self, state: TrainState, batches: Sequence[Any], batch_idx: Any, flush: Any, full: bool
+    ) -> Any:
+        """Lower and compile ``len(batches)`` train steps as one program (``Trainer(steps_per_execution=N)``):
+        ``(state, batches, batch_idx[N], flush[N]) -> (state, outputs per step, logs per step)``, the state
+        donated once (:class:`~jaxlight.multistep.MultiStep`). Stored in ``multi_steps`` by (step count,
+        batch shapes) (:meth:`train_steps_for`); the full execution (``full``) also under ``compiled["train"]``;
+        counted in ``compile_counts["train"]``."""
+        b = self.builder
+        assert b is not None
+        self._check_batch("train", batches[0])
+        program = MultiStep(b.train_step, self.state_shardings)
+        with self.context():
+            fn = jax.jit(program, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
+            with lightning_step_call(b.module, "training_step"):
+                compiled = fn.lower(state, tuple(batches), batch_idx, flush).compile()
+        self.compile_counts["train"] += 1
+        self.multi_steps[(len(batches), _signature(batches[0]))] = compiled
+        if full or "train" not in self.compiled:
+            self.compiled["train"] = compiled
+        return compiled
+
+    def train_steps_for(self, batches: Sequence[Any]) -> Any:
+        """The program compiled for ``len(batches)`` steps on batches of these shapes, or None."""
+        return self.multi_steps.get((len(batches), _signature(batches[0])))
+
+    def _drop_train_programs(self) -> None:
+        """Forget every compiled train program (single steps and executions): the next batch compiles again."""
+        self.compiled.pop("train", None)
+        self.train_steps = {}
+        self.multi_steps = {}
 
     def _check_batch(self, stage: str, batch: Any) -> None:
         """The strategy's checks of the batch's global shapes; across processes, the same structure."""

@@ -34,6 +34,7 @@ from jaxlight.data import (
     tail_rows,
 )
 from jaxlight.errors import BatchError, MisconfigurationError
+from jaxlight.executions import MultiStepEpochs, plan_executions
 from jaxlight.grain_data import adapt_loaders, set_loader_epoch
 from jaxlight.hooks import overrides, takes_argument
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
@@ -461,6 +462,7 @@ class FitLoop:
         self.config = parts.config
         self.position = parts.position
         self.state = parts.state
+        self.executions: MultiStepEpochs | None = None  # steps_per_execution > 1 (jaxlight/executions.py)
 
     # -- stopping and validation cadence ---------------------------------------------------
     def can_stop_early(self) -> bool:
@@ -543,7 +545,9 @@ class FitLoop:
     # -- the loop ----------------------------------------------------------------------------
     def fit(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
         """The sanity check (unless ``num_sanity_val_steps=0``, or resuming inside an epoch, as in
-        Lightning), then :meth:`run`."""
+        Lightning), then :meth:`run`. With ``steps_per_execution > 1`` the run's cadences are checked
+        against the execution boundaries first (:func:`~jaxlight.executions.plan_executions`)."""
+        self.executions = plan_executions(self, val_loaders)
         if (
             self.validation_enabled(val_loaders)
             and self.config.num_sanity_val_steps != 0
@@ -583,7 +587,11 @@ class FitLoop:
             ran_val_at_end = False  # validation ran after the last batch this epoch processed
             exhausted = True
             try:
-                for item in fetcher:
+                if self.executions is not None:  # N batches per compiled call, then their per-batch hooks
+                    exhausted, ran_val_at_end, total_batches = self.executions.run_epoch(
+                        fetcher, n_batches, total_batches, val_loaders, val_every, ahead
+                    )
+                for item in () if self.executions is not None else fetcher:
                     ran_val_at_end = False
                     batch, idx = item.batch, item.index
                     state.batch_idx = idx

@@ -102,6 +102,7 @@ class Trainer(ConfigAttributes):
         prefetch: int = 2,
         compile_cache: bool | str | os.PathLike | None = None,
         device_memory: int | str | None = None,
+        steps_per_execution: int = 1,
     ) -> None:
         arguments = dict(locals())
         for name in ("self", "strategy", "callbacks"):  # the objects the Trainer owns itself

@@ -192,7 +192,9 @@ class Preemption(Callback):
             if self.received is not None and not self._announced:
                 self._announced = True
                 try:  # the first process to propose wins (the store refuses a second set); the others read it
-                    distributed.kv_set(f"{self._ns}/stop_at", str(here + AGREE_MARGIN))
+                    # steps_per_execution=N: processes drift by up to RUN_AHEAD executions, N batches each
+                    margin = AGREE_MARGIN * trainer.config.steps_per_execution
+                    distributed.kv_set(f"{self._ns}/stop_at", str(here + margin))
                 except Exception:
                     pass
             value = distributed.kv_try_get(f"{self._ns}/stop_at")

@@ -1,0 +1,274 @@
+"""The fit loop's side of multi-step execution (``Trainer(steps_per_execution=N)``).
+
+An epoch is cut into executions of N batches (the last one shorter when the
+epoch's length is not a multiple of N): N placed batches go into one compiled
+call (:class:`jaxlight.multistep.MultiStep`), then the per-batch hooks run for
+each of its batches in order, ``on_train_batch_start`` then
+``on_train_batch_end`` with that batch's own outputs, and each batch's logged
+values reach the reporter as a single step's would. So the hooks run *after*
+the execution, as Keras's batch callbacks do with ``steps_per_execution``:
+they see each batch's outputs and the position (``global_step``,
+``batch_idx``) of that batch, but the weights and optimizer state as they are
+after the whole execution.
+
+What depends on the train state between batches happens on execution
+boundaries only, so it sees the state it would after single steps:
+validation, stopping (``max_steps``; a stop requested by a hook inside an
+execution takes effect at its end, its other batches having already run),
+and the per-batch hooks of checkpoint callbacks (``is_checkpoint_callback``)
+and of :class:`~jaxlight.callbacks.Preemption`, which run at an execution's
+last batch only (a time-based checkpoint or a preemption save waits for the
+end of the execution). :func:`plan_executions` refuses, before any step, a run
+whose cadences would need the state inside an execution, naming the first
+point where that happens.
+
+The batches of one execution are stacked, so they share one shape: with
+``ragged_batches="keep"`` a batch of other rows ends the execution before it,
+and a lone batch runs as the single train step compiled for its shape (as
+with N = 1). Executions still end at the multiples of N, also after a resume
+from a point inside one (the first execution then runs up to the next).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxlight.callbacks.lr_monitor import LearningRateMonitor
+from jaxlight.callbacks.preemption import Preemption
+from jaxlight.errors import MisconfigurationError
+from jaxlight.multistep import ExecutionPlan, Miss
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.callbacks.callback import Callback
+    from jaxlight.data import Prefetched, Prefetcher
+    from jaxlight.loops import FitLoop, RunAhead
+
+
+def runs_at_boundaries_only(cb: Callback) -> bool:
+    """Callbacks whose per-batch hooks write or stop from the train state: called at an execution's last
+    batch only, where the state is the one single steps would have there."""
+    return cb.is_checkpoint_callback or isinstance(cb, Preemption)
+
+
+def _where(plan: ExecutionPlan, miss: Miss) -> str:
+    step = f"optimizer step {miss.step}, " if miss.step is not None else ""
+    total = f" (batch {miss.total} of the run)" if miss.total is not None and miss.total != miss.count else ""
+    return f"{step}after batch {miss.count} of epoch {miss.epoch}{total}, inside an execution ({plan.describe()})"
+
+
+def plan_executions(loop: FitLoop, val_loaders: Sequence[Any]) -> MultiStepEpochs | None:
+    """The executions of this fit (None for ``steps_per_execution=1``), after the refusals.
+
+    Refused, with the numbers: a validation cadence, a checkpoint cadence
+    (``every_n_train_steps``) or ``max_steps`` that falls inside an
+    execution; the per-batch readers of the optimizer state that would read
+    it mid-execution (``LearningRateMonitor`` logging by step, a
+    ``ReduceLROnPlateau`` stepped by step); a strategy keeping train state in
+    host memory.
+    """
+    config, parts = loop.config, loop.parts
+    n = config.steps_per_execution
+    if n == 1:
+        return None
+    batches = loop.state.num_training_batches
+    if batches == 0:
+        return None  # nothing trains (limit_train_batches=0): the loop returns before any step
+    epochs = math.inf if config.max_epochs == -1 else config.max_epochs
+    plan = ExecutionPlan(n, batches, config.accumulate_grad_batches, epochs)
+    engine, hooks = parts.engine, parts.hooks
+    assert engine.state_shardings is not None and engine.optimizer is not None
+    arg = f"steps_per_execution={n}"
+
+    moved = [
+        s for s in jax.tree.leaves(engine.state_shardings) if getattr(s, "memory_kind", None) not in (None, "device")
+    ]
+    if moved:
+        raise MisconfigurationError(
+            f"{arg} runs the train steps in one compiled loop, but strategy {engine.strategy.name!r} keeps "
+            f"{len(moved)} train-state leaves in {moved[0].memory_kind!r} memory between steps (host offload), "
+            f"which a loop over steps cannot carry; use steps_per_execution=1 with host offload"
+        )
+    # a resume point inside an execution (saved with another N, or at a ragged batch) needs no refusal: the
+    # first execution runs up to the next boundary (MultiStepEpochs._take), and the run is aligned again
+    if config.max_steps != -1 and config.max_steps > 0:
+        miss = plan.step_miss(config.max_steps)
+        if miss is not None:
+            raise MisconfigurationError(
+                f"max_steps={config.max_steps} ends the run at {_where(plan, miss)}; choose a max_steps reached at "
+                f"the end of an execution"
+            )
+    if loop.validation_enabled(val_loaders):
+        every = loop.val_check_batch()
+        if every != math.inf:
+            across = config.check_val_every_n_epoch is None
+            miss = plan.batch_cadence_miss(int(every), across)
+            if miss is not None:
+                vci = config.val_check_interval
+                said = f"val_check_interval={vci}" + (f" ({int(every)} batches)" if isinstance(vci, float) else "")
+                raise MisconfigurationError(
+                    f"{said} is not a multiple of {arg}: it validates at {_where(plan, miss)}; choose a "
+                    f"val_check_interval that is a multiple of {n} batches"
+                )
+    last_step = math.inf if config.max_steps == -1 else config.max_steps
+    for cb in hooks.callbacks:
+        every_n = getattr(cb, "every_n_train_steps", 0) if cb.is_checkpoint_callback else 0
+        if every_n:
+            miss = plan.step_cadence_miss(int(every_n), last_step)
+            if miss is not None:
+                raise MisconfigurationError(
+                    f"{type(cb).__name__}(every_n_train_steps={every_n}) saves at {_where(plan, miss)}; choose "
+                    f"every_n_train_steps so that every {every_n} optimizer steps (x accumulate_grad_batches="
+                    f"{config.accumulate_grad_batches} batches) end an execution"
+                )
+        if isinstance(cb, LearningRateMonitor) and cb.logging_interval != "epoch":
+            raise MisconfigurationError(
+                f"LearningRateMonitor(logging_interval={cb.logging_interval!r}) reads the learning rate from the "
+                f"optimizer state before each logged step, but with {arg} the per-batch hooks run after the "
+                f"execution, when the state is {n} steps on; use LearningRateMonitor(logging_interval='epoch') or "
+                f"steps_per_execution=1"
+            )
+    plateau = [c for c in engine.optimizer.schedulers if c.reduce_on_plateau and c.interval == "step"]
+    if plateau:
+        raise MisconfigurationError(
+            f"a ReduceLROnPlateau scheduler with interval='step' sets the learning rate between batches, inside "
+            f"the executions of {arg}; use interval='epoch' or steps_per_execution=1"
+        )
+    return MultiStepEpochs(loop, plan)
+
+
+class MultiStepEpochs:
+    """Runs a fit's epochs as executions of ``plan.n`` steps (what :meth:`FitLoop.run` does per batch)."""
+
+    def __init__(self, loop: FitLoop, plan: ExecutionPlan) -> None:
+        self.loop = loop
+        self.plan = plan
+        hooks = loop.parts.hooks
+        # the callbacks called at batches before an execution's last one
+        self.inside = [c for c in hooks.callbacks if not runs_at_boundaries_only(c)]
+        self.sync_start = hooks.reads_module("on_train_batch_start")
+        self.sync_end = hooks.reads_module("on_train_batch_end")
+        self._ended = False  # the epoch's prefetcher has run out
+        self._held: Prefetched | None = None  # a batch of other rows than the execution before it
+
+    def _take(self, items: Iterator[Prefetched], n_batches: int | float) -> list[Prefetched]:
+        """The next execution's batches: up to the next multiple of N batches of the epoch, or its last
+        batch (fewer when the loader runs out first: a loader without a length, or shorter than it said).
+
+        Batches of one execution are stacked, so they must have one shape: a batch with other rows than the
+        execution's first (a ragged batch, ``ragged_batches="keep"``) ends the execution before it and starts
+        the next one. The executions still end where the plan says (and at the ragged batch besides)."""
+        got: list[Prefetched] = []
+        n = self.plan.n
+        while True:
+            if self._held is not None:
+                item, self._held = self._held, None
+            elif self._ended:
+                break
+            else:
+                item = next(items, None)
+                if item is None:  # the prefetcher has ended: never ask it again (it would wait for a batch)
+                    self._ended = True
+                    break
+            if got and item.rows != got[0].rows:
+                self._held = item
+                break
+            got.append(item)
+            first = got[0].index
+            want = n - first % n if n_batches == math.inf else min(n - first % n, int(n_batches) - first)
+            if len(got) >= want:
+                break
+        return got
+
+    def _program(self, group: list[Prefetched], batches: tuple, idxs: Any, flush: Any) -> Any:
+        """The compiled program for this execution: N steps, or fewer (the epoch's partial last execution,
+        the batches before a ragged one), compiled once per (steps, batch shapes); a lone batch runs as a
+        single train step (a ragged last batch: the step compiled for its shape, as with N = 1)."""
+        engine, reporter = self.loop.parts.engine, self.loop.parts.reporter
+        size = len(group)
+        if size == 1:
+            compiled = engine.train_step_for(batches[0])
+        else:
+            compiled = engine.train_steps_for(batches)
+        if compiled is not None:
+            return compiled
+        if "train" not in engine.compiled:
+            engine.batch_rows["train"] = group[0].rows
+        if size == 1:
+            compiled = engine.compile_train(engine.train_state, batches[0], idxs[0], flush[0])
+        else:
+            compiled = engine.compile_train_steps(engine.train_state, batches, idxs, flush, full=size == self.plan.n)
+        reporter.store("train").register(engine.builder.log_specs.get("train", {}))
+        return compiled
+
+    def run_epoch(
+        self,
+        fetcher: Prefetcher,
+        n_batches: int | float,
+        total_batches: int,
+        val_loaders: Sequence[Any],
+        val_every: int | float,
+        ahead: RunAhead,
+    ) -> tuple[bool, bool, int]:
+        """One epoch's executions; returns ``(exhausted, ran_val_at_end, total_batches)`` as the loop keeps them."""
+        loop = self.loop
+        parts, config, state, pos = loop.parts, loop.config, loop.state, loop.position
+        hooks, engine, reporter = parts.hooks, parts.engine, parts.reporter
+        k, log_every = config.accumulate_grad_batches, config.log_every_n_steps
+        exhausted, ran_val = True, False
+        items, self._ended, self._held = iter(fetcher), False, None
+        # Lightning steps on a partial accumulation window at the epoch's last batch
+        last_known = n_batches != math.inf and k > 1
+        while True:
+            group = self._take(items, n_batches)
+            if not group:
+                break
+            size = len(group)
+            batches = tuple(it.batch for it in group)
+            idxs = np.fromiter((it.index for it in group), np.int32, size)
+            flush = np.fromiter((last_known and it.index + 1 >= n_batches for it in group), np.bool_, size)
+            compiled = self._program(group, batches, idxs, flush)
+            if size == 1:  # a single step: its outputs and logs as one execution's
+                engine.train_state, out, log = compiled(engine.train_state, batches[0], idxs[0], flush[0])
+                outputs, logs = (out,), (log,)
+            else:
+                engine.train_state, outputs, logs = compiled(engine.train_state, batches, idxs, flush)
+            ahead.push(outputs[-1]["loss"])
+            ran_val = False
+            for j, item in enumerate(group):
+                cbs = None if j == size - 1 else self.inside
+                state.batch_idx = item.index
+                if self.sync_start:
+                    engine.sync_module()
+                if hooks.call("on_train_batch_start", item.batch, item.index, callbacks=cbs) == -1:
+                    raise MisconfigurationError(
+                        f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {item.index}, but "
+                        f"with steps_per_execution={self.plan.n} batches {group[0].index}..{group[-1].index} had "
+                        f"already run in one execution; set trainer.should_stop = True (the run stops at the "
+                        f"execution's end) or use steps_per_execution=1"
+                    )
+                stepped = pos.advance(item.index, item.loader_state, k, bool(flush[j]))
+                total_batches += 1
+                reporter.on_train_step(logs[j], outputs[j]["loss"])
+                if self.sync_end:
+                    engine.sync_module()
+                hooks.call("on_train_batch_end", outputs[j], item.batch, item.index, callbacks=cbs)
+                # Lightning: logged when the update counter reaches the cadence, or when stopping
+                if stepped and (pos.global_step % log_every == 0 or state.should_stop):
+                    reporter.publish_step()
+            # the execution's end: validation and stopping see the state single steps would have here
+            idx = group[-1].index
+            if loop.should_validate(val_loaders, idx, total_batches, val_every):
+                loop.validate(val_loaders)
+                ran_val = True
+            if loop.done():
+                exhausted = idx + 1 >= n_batches
+                break
+        return exhausted, ran_val, total_batches
+
+
+__all__ = ["MultiStepEpochs", "plan_executions", "runs_at_boundaries_only"]
