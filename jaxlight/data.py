@@ -411,8 +411,9 @@ class Prefetcher:
     The transfer of batch i+1 runs while step i computes. ``loader_state``
     records the loader's own state after each batch, so a checkpoint saved
     after consuming batch i resumes at i+1 even though i+1 was already read.
-    Stops after ``limit`` batches; when ``limit`` is the loader's own end, ``drain`` more reads finish its
-    epoch as a ``for`` loop does (see :meth:`_finish`). With ``exact`` every batch passes as it
+    Stops after ``limit`` batches without asking the loader for more (Lightning reads ``len(loader)``
+    batches the same way, so a seeded ``RandomSampler`` never draws its last permutation and the next epoch's
+    order is Lightning's, not a plain ``for`` loop's). With ``exact`` every batch passes as it
     is, whatever its row count (the loop runs it in a step compiled for its
     shape), placed by :meth:`BatchPlacer.rows_entry` (rows the batch axes
     cannot split are replicated over them); the first batch of a train epoch
@@ -448,10 +449,8 @@ class Prefetcher:
         interrupt: Callable[[bool], None] | None = None,
         signature: BatchSignature | None = None,
         exact: bool = False,
-        drain: int = 0,
     ) -> None:
         self.loader = loader
-        self.drain = drain
         self.pad = pad
         self.interrupt = interrupt
         self.signature = signature
@@ -488,8 +487,6 @@ class Prefetcher:
                 raw = next(it)
             except StopIteration:
                 break
-            if self.limit is not None and i + 1 >= self.limit:
-                self._finish(it)  # before the last batch's state is taken: it then holds the epoch's end
             state = self._loader_state() if has_state else self._plain_state(i + 1 == self.limit)
             leaves, treedef, rows = flat_host_batch(raw)
             if rows is None:  # not all arrays with one leading dim: say which leaf is wrong
@@ -523,16 +520,6 @@ class Prefetcher:
             self.placer.check(grows, i)
             yield Prefetched(i, self.placer.place_flat(leaves, treedef), grows, state)
             i += 1
-
-    def _finish(self, it: Iterator) -> None:
-        """At the loader's own end (``drain`` reads: the StopIteration, after a dropped ragged batch), read on
-        as a ``for`` loop would: a torch ``RandomSampler`` draws from its generator once more as its epoch
-        ends, and skipping that would give the next epoch another order than the user's own loop."""
-        for _ in range(self.drain):
-            try:
-                next(it)
-            except StopIteration:
-                return
 
     def _plain_state(self, last: bool) -> Any:
         """A loader without ``state_dict`` but with a torch generator (a plain ``DataLoader(shuffle=True,

@@ -236,11 +236,6 @@ def prefetcher(
     placer = placer or batch_placer(parts)
     pad = not train and placer.global_rows(1) > 1  # per-process shares cannot be replicated: padded and masked
     drop = train and config.ragged_batches == "drop"
-    n = num_batches(loader)
-    # the epoch ends at the loader's own end (not cut by limit_*_batches; a dropped ragged batch aside):
-    # read on to its StopIteration, as a for loop does
-    rest = None if n is None or limit == math.inf else n - int(limit)
-    drain = rest + 1 if rest is not None and 0 <= rest <= int(drop) else 0
     return Prefetcher(
         loader,
         placer,
@@ -248,7 +243,6 @@ def prefetcher(
         start=start,
         depth=config.prefetch,
         drop_ragged=drop,
-        drain=drain,
         stage=stage.name,
         # evaluation: each run's first batch sets the shape (a later run may bring another loader)
         expected_rows=parts.engine.batch_rows.get(key or stage.name) if train else None,

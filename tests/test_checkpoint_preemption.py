@@ -237,3 +237,17 @@ def test_process_local_loaders_each_resume_at_their_own_position(tmp_path):
     assert got.keys() == want.keys()
     for k in want:  # the same two-process program on the same data order: equal up to reduction order
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_sigint_is_a_preemption_signal_except_inside_a_jupyter_kernel(monkeypatch):
+    import types
+
+    from jaxlight.callbacks.preemption import Preemption, default_signals
+
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    assert default_signals() == (signal.SIGTERM, signal.SIGINT)
+    assert Preemption().signals == (signal.SIGTERM, signal.SIGINT)
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    assert default_signals() == (signal.SIGTERM,)  # Ctrl-C in a notebook keeps raising KeyboardInterrupt
+    assert Preemption().signals == (signal.SIGTERM,)
+    assert Preemption(signals=[signal.SIGINT]).signals == (signal.SIGINT,)  # the user's own choice is kept

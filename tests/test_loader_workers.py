@@ -89,22 +89,6 @@ class FirstValues(jl.Callback):
         self.seen.append(float(np.asarray(batch[0])[0, 0]))
 
 
-@pytest.mark.parametrize("rows, ragged", [(96, "keep"), (90, "keep"), (90, "drop")])
-def test_epoch_orders_with_a_seeded_generator_are_the_users_own_loops(rows, ragged):
-    # torch's RandomSampler draws from its generator once more when its epoch ends: a loop that stops reading
-    # at len(loader) gave epoch 2 another order than the user's `for` loop (and than num_workers > 0)
-    def dl():
-        ds = torch.utils.data.TensorDataset(torch.from_numpy(X[:rows]), torch.from_numpy(Y[:rows]))
-        return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7))
-
-    own, loader = [], dl()
-    for _ in range(3):
-        own += [float(x[0, 0]) for x, _ in loader if ragged == "keep" or len(x) == 16]
-    rec = FirstValues()
-    jl.Trainer(max_epochs=3, devices=1, callbacks=[rec], ragged_batches=ragged, **quiet()).fit(Classifier(), dl())
-    assert rec.seen == own
-
-
 def test_a_plain_shuffled_loader_resumes_in_its_own_order(tmp_path):
     # a plain DataLoader has no state_dict: its order comes from the generator's state when an epoch starts,
     # which the checkpoint now keeps (the epoch's start inside it, the epoch's end after its last batch)
