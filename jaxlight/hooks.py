@@ -277,6 +277,9 @@ class HookCaller:
             if run_module:
                 result = getattr(self.module, hook)(*args)
                 reporter.flush_host_logs()
+        engine = getattr(self._trainer, "engine", None)
+        if engine is not None:
+            engine.note_hook(hook)  # a hook that replaced held NNX state is named if the step must refuse it
         return result
 
     def call_on_exception(self, exception: BaseException) -> None:

@@ -35,7 +35,7 @@ from jaxlight.metrics import Collector
 from jaxlight.optim import AccumulationState
 from jaxlight.precision import Precision
 from jaxlight.stages import STAGES
-from jaxlight.state import ModelParts, merge_models, rest_after
+from jaxlight.state import ModelParts, eval_changes, merge_models, rest_after
 from jaxlight.tracing import StepError, check_loss, explained_tracing_errors
 
 
@@ -45,7 +45,9 @@ class TrainState(NamedTuple):
     - ``params``: the module's ``nnx.Param`` arrays by flat path (``"net/linear/kernel"``), in the
       precision's storage dtype, each in its strategy sharding; the only leaves that get gradients.
     - ``model_state``: the module's other NNX variables by flat path (BatchNorm statistics, RNG
-      counters, any ``nnx.Variable`` that is not a parameter), updated by the forward pass.
+      counters, any ``nnx.Variable`` that is not a parameter), updated by the forward pass; also the
+      NNX objects the module holds beside its models (an ``nnx.Rngs``, an ``nnx.MultiMetric``), by
+      attribute name (``"rngs/default/count"``, ``"metrics/loss/total"``).
     - ``opt_state``: automatic optimization: the optax state of the one transformation
       ``configure_optimizers`` built (an ``AccumulationState`` around it under
       ``accumulate_grad_batches``); manual: a tuple, one optax state per optimizer. Leaves that mirror a
@@ -257,6 +259,12 @@ class StepBuilder:
         return state, outputs
 
     def eval_step(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array):
+        out, logs, _ = self.eval_step_carrying(stage, params, rest, batch, batch_idx)
+        return out, logs
+
+    def eval_step_carrying(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array):
+        """``(out, logs, changed)``: :meth:`eval_step` and the non-parameter variables the step set that
+        evaluation carries (:func:`jaxlight.state.eval_changes`), by key."""
         prec = self.precision
         models = self._models(params, rest, train=False)
         col = Collector(stage, self._rows(batch), on_step=False, on_epoch=True)
@@ -270,7 +278,7 @@ class StepBuilder:
                     f"{method} output {jax.tree_util.keystr(k) or '<root>'} is a {type(v).__name__}; "
                     f"outputs of a compiled step must be arrays (or None)"
                 )
-        return out, col.values
+        return out, col.values, eval_changes(self.parts, models, rest)
 
 
 def _has_updated(opt_state: Any) -> jax.Array:

@@ -29,7 +29,8 @@ import functools
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,36 @@ def _check_match(path: Path, saved: dict[str, dict[str, tuple]], target: dict[st
                 "changed since the checkpoint was written?)"
             )
         raise CheckpointError("\n".join(lines))
+
+
+def drop_unsaved_state(path: Path, targets: dict[str, dict], optional: Collection[str]) -> list[str]:
+    """Remove from ``targets["model"]["rest"]`` the keys in ``optional`` that the checkpoint has no array
+    for, and return them (warned about; the caller keeps their current values).
+
+    ``optional``: the state of NNX objects a module holds beside its models (``nnx.Rngs``, metrics),
+    which checkpoints written before jaxlight carried them lack; anything else must match exactly.
+    """
+    rest = targets.get("model", {}).get("rest")
+    if not rest or not optional:
+        return []
+    try:
+        saved = _shape_tree(new_checkpointer(async_=False).metadata(path).item_metadata.get("model", None))
+    except Exception:
+        return []  # restore_arrays reports an unreadable checkpoint
+    unsaved = sorted(k for k in optional if k in rest and k not in saved.get("rest", {}))
+    for k in unsaved:
+        del rest[k]
+    if not rest:
+        del targets["model"]["rest"]
+    if unsaved:
+        warnings.warn(
+            f"checkpoint {path} holds no values for {listing(unsaved)} (NNX objects the module holds beside "
+            f"its models, e.g. an nnx.Rngs or metrics, added since it was written or saved before jaxlight "
+            f"carried them); they keep their current values",
+            UserWarning,
+            stacklevel=3,
+        )
+    return unsaved
 
 
 def restore_arrays(path: Path, targets: dict[str, dict], impls: Mapping[str, str]) -> dict[str, dict]:

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxlight.checkpoint.discovery import check_path
-from jaxlight.checkpoint.format import abstract, read_meta, restore_arrays
+from jaxlight.checkpoint.format import abstract, drop_unsaved_state, read_meta, restore_arrays
 from jaxlight.checkpoint.host_state import host_checkpoint
 from jaxlight.errors import CheckpointError
-from jaxlight.state import merge_models, nnx_attributes, split_models
+from jaxlight.state import holder_keys, merge_models, nnx_attributes, nnx_objects, split_models
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.module import LightningModule
@@ -45,13 +45,12 @@ def load_module_from_checkpoint(
         module = cls(**hp)
         if not nnx_attributes(module):
             module.configure_model()
-    models = nnx_attributes(module)
-    if not models:
+    if not nnx_attributes(module):
         raise CheckpointError(
             f"{cls.__name__} created no flax.nnx.Module attribute in __init__ or configure_model; "
             f"there is nothing to load the checkpoint into"
         )
-    parts, params, rest = split_models(models)
+    parts, params, rest = split_models(nnx_objects(module))  # its models and the NNX objects beside them
 
     def sharding(x: Any) -> Any:
         return getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -61,8 +60,10 @@ def load_module_from_checkpoint(
             g: {k: abstract(v, sharding(v)) for k, v in d.items()} for g, d in (("params", params), ("rest", rest)) if d
         }
     }
+    unsaved = drop_unsaved_state(path, targets, holder_keys(parts))
     arrays = restore_arrays(path, targets, meta.get("key_impls", {}))["model"]
-    new = merge_models(parts, arrays.get("params", {}), arrays.get("rest", {}), train=True)
+    rest = {**arrays.get("rest", {}), **{k: rest[k] for k in unsaved}}  # unsaved: kept as built
+    new = merge_models(parts, arrays.get("params", {}), rest, train=True)
     for k, m in new.items():
         object.__setattr__(module, k, m)
     module.on_load_checkpoint(ckpt)

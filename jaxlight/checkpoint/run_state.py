@@ -27,6 +27,7 @@ from jaxlight.checkpoint.format import (
     abstract_like,
     bytes_needed,
     check_space,
+    drop_unsaved_state,
     encode_keys,
     flatten,
     read_meta,
@@ -37,6 +38,7 @@ from jaxlight.checkpoint.format import (
 from jaxlight.checkpoint.host_state import encode_host, host_checkpoint, hparams_text, save_error
 from jaxlight.errors import CheckpointError
 from jaxlight.rank_zero import rank_zero_info
+from jaxlight.state import holder_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
@@ -312,10 +314,15 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
     if fit:
         _check_callback_states(trainer, ckpt, meta.file or path)
         _prepare_callbacks(trainer, ckpt)
-    arrays = restore_arrays(path, _targets(trainer, with_train=fit), meta.get("key_impls", {}))
+    targets = _targets(trainer, with_train=fit)
+    unsaved = drop_unsaved_state(path, targets, holder_keys(trainer.engine.parts))
+    arrays = restore_arrays(path, targets, meta.get("key_impls", {}))
     params = arrays["model"].get("params", {})
     model_state = arrays["model"].get("rest", {})
     st = trainer.train_state
+    if unsaved:  # kept as they are now
+        now = st.model_state if st is not None else trainer.engine.read_module()[1]
+        model_state = {**model_state, **{k: now[k] for k in unsaved}}
     if st is not None and fit:
         train = arrays["train"]
         trainer.train_state = st._replace(
