@@ -734,7 +734,8 @@ class Engine:
         with self.context():
             fn = jax.jit(program, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
-                compiled = fn.lower(state, tuple(batches), batch_idx, flush).compile()
+                # host hooks' writes (metrics.reset() at epoch end) reach the execution, as a single step's
+                compiled = _AdoptingTrainStep(fn.lower(state, tuple(batches), batch_idx, flush).compile(), self)
         self.compile_counts["train"] += 1
         self.multi_steps[(len(batches), _signature(batches[0]))] = compiled
         if full or "train" not in self.compiled:

@@ -205,6 +205,23 @@ class MultiStepEpochs:
         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
         return compiled
 
+    def _refuse_edits(self, hook: str, item: Prefetched, group: list[Prefetched]) -> None:
+        """A per-batch hook inside an execution may not write module state: the later batches of the
+        execution have run already, so the write would silently skip them (with N = 1 the next step sees it)."""
+        engine = self.loop.parts.engine
+        st = engine.train_state
+        edits = engine.module_edits(st.params, st.model_state)
+        if not edits:
+            return
+        names = sorted(key for _, key in edits)
+        raise MisconfigurationError(
+            f"{hook} at batch {item.index} set module state ({', '.join(names[:5])}) inside an execution: with "
+            f"steps_per_execution={self.plan.n} batches {group[0].index}..{group[-1].index} ran in one call, so "
+            f"batch {item.index + 1} has trained without it (with steps_per_execution=1 it would see it). Write it "
+            f"at an execution's last batch ((batch_idx + 1) % {self.plan.n} == 0), in an epoch hook, or use "
+            f"steps_per_execution=1"
+        )
+
     def run_epoch(
         self,
         fetcher: Prefetcher,
@@ -244,7 +261,10 @@ class MultiStepEpochs:
                 state.batch_idx = item.index
                 if self.sync_start:
                     engine.sync_module()
-                if hooks.call("on_train_batch_start", item.batch, item.index, callbacks=cbs) == -1:
+                started = hooks.call("on_train_batch_start", item.batch, item.index, callbacks=cbs)
+                if j < size - 1:
+                    self._refuse_edits("on_train_batch_start", item, group)
+                if started == -1:
                     raise MisconfigurationError(
                         f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {item.index}, but "
                         f"with steps_per_execution={self.plan.n} batches {group[0].index}..{group[-1].index} had "
@@ -257,6 +277,8 @@ class MultiStepEpochs:
                 if self.sync_end:
                     engine.sync_module()
                 hooks.call("on_train_batch_end", outputs[j], item.batch, item.index, callbacks=cbs)
+                if j < size - 1:
+                    self._refuse_edits("on_train_batch_end", item, group)
                 # Lightning: logged when the update counter reaches the cadence, or when stopping
                 if stepped and (pos.global_step % log_every == 0 or state.should_stop):
                     reporter.publish_step()

@@ -369,3 +369,34 @@ def test_plan_arithmetic():
     assert plan.batch_cadence_miss(5, across_epochs=True).total == 5
     unbounded = ExecutionPlan(4, math.inf, accumulate=2)
     assert unbounded.step_cadence_miss(2) is None and unbounded.step_cadence_miss(3).step == 3
+
+
+def test_held_nnx_state_and_epoch_hook_writes_match_single_steps_and_inner_writes_are_refused():
+    # an nnx.Rngs drawn for call-time dropout, a MultiMetric reset in on_train_epoch_end, a user Variable:
+    # carried through the scan as through single steps; a per-batch hook that writes module state before an
+    # execution's last batch would silently miss the batches after it, so it is refused by name
+    from tests.test_nnx_state import TRAIN, VAL, Held, Record
+
+    class Losses(jl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    def run(n, cb):
+        module = Held()
+        trainer = jl.Trainer(max_epochs=2, devices=1, steps_per_execution=n, callbacks=[cb], **quiet())
+        trainer.fit(module, TRAIN, VAL)
+        return module, trainer, cb
+
+    m1, t1, c1 = run(1, Losses())
+    m3, t3, c3 = run(3, Losses())
+    assert c3.losses == c1.losses and len(c1.losses) == 6
+    assert m3.epochs == m1.epochs and m3.val_epochs == m1.val_epochs  # the epoch-end reset reached epoch 2
+    assert int(m3.rngs.dropout.count[...]) == int(m1.rngs.dropout.count[...]) == 6
+    assert int(m3.seen.value) == 6
+    p1, p3 = host_params(t1), host_params(t3)
+    assert p1.keys() == p3.keys() and all(np.array_equal(p1[k], p3[k]) for k in p1)
+    with pytest.raises(jl.MisconfigurationError, match=r"on_train_batch_end at batch 1 set module state \(seen\)"):
+        run(3, Record())  # sets module.seen after the second batch of a 3-step execution
