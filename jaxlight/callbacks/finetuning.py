@@ -411,9 +411,8 @@ class BaseFinetuning(Callback):
         handles = [FinetuneOptimizer(trainer, i, self._infos) for i in range(len(cfg.optimizers))]
         self._follow_schedulers(trainer, handles)
         for i, opt in enumerate(handles):
-            before = len(opt.param_groups)
             self.finetune_function(pl_module, trainer.current_epoch, opt)
-            self._store(i, before, opt.param_groups)
+            self._store(i, opt.param_groups)
         self._apply(trainer, handles)
 
     def _follow_schedulers(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
@@ -439,10 +438,9 @@ class BaseFinetuning(Callback):
             except MisconfigurationError:
                 pass
 
-    def _store(self, index: int, before: int, groups: list[_ParamGroup]) -> None:
+    def _store(self, index: int, groups: list[_ParamGroup]) -> None:
         # every epoch, not only when the group count changes (Lightning): the rates stored are those a
         # resume re-adds the groups with (the optimizer state then brings the exact values)
-        del before
         self._internal_optimizer_metadata[index] = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
 
     def _apply(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
