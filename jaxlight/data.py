@@ -10,6 +10,7 @@ global batch and keeps the rows its devices hold.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -61,6 +62,16 @@ def host_batch(batch: Any) -> Any:
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
+
+
+def _host_signature(leaves: list[Any], treedef: Any) -> tuple | None:
+    """``(treedef, ((shape, dtype), ...))`` of a flattened batch of numpy arrays; None for any other leaf."""
+    sig = []
+    for x in leaves:
+        if type(x) is not np.ndarray:
+            return None
+        sig.append((x.shape, x.dtype))
+    return treedef, tuple(sig)
 
 
 def flat_host_batch(batch: Any) -> tuple[list[Any], Any, int | None]:
@@ -184,7 +195,11 @@ class BatchPlacer:
         self.partition = data_partition(mesh) if self.multiprocess else DataPartition(0, 1, 1, 0)
         self._rows_spec = batch_spec(mesh, 1)
         self._shardings: dict[tuple[str, tuple[int, ...]], NamedSharding] = {}
-        self._flat: dict[tuple, list[tuple[NamedSharding, Any]]] = {}  # batch signature -> (sharding, putter)s
+        self._flat: dict[tuple, Callable[[list[Any]], Any]] = {}  # batch signature -> its flat_plan
+        # one process, one CPU device: a compiled step given numpy arrays transfers them itself, in jax's C++
+        # dispatch (~5 µs a leaf against ~10-30 for a put from Python, and its result is ready at once, so
+        # the step runs inline instead of waiting on the put: measured on jax 0.10.2, 2 cores)
+        self.host_transfers = not self.multiprocess and mesh.size == 1 and mesh.devices.flat[0].platform == "cpu"
 
     def sharding(self, ndim: int) -> NamedSharding:
         """Rows over the batch axes, other dims whole (what a leaf gets when no piece splits it)."""
@@ -274,17 +289,21 @@ class BatchPlacer:
             )
 
     def place_flat(self, leaves: list[Any], treedef: Any) -> Any:
-        """:meth:`place` for an already flattened host batch: the per-step fast path.
-
-        Shardings are looked up once per batch signature (structure, shapes, dtypes), and so is how each
-        leaf is transferred: a numpy leaf by :func:`jaxlight.compat.host_putter`, jax's own per-device
-        put with everything but the copy worked out once (``jax.device_put`` spends ~100 µs per leaf of
-        host time in its dispatch and ``jax.make_array_from_callback`` ~20, measured on jax 0.10.2 CPU:
-        on a tiny model more than the step itself); a leaf that is already a jax array (or of a dtype
-        jax narrows, such as float64) by ``jax.device_put``.
-        """
+        """:meth:`place` for an already flattened host batch: the per-step fast path (see :meth:`flat_plan`)."""
         if self.multiprocess:
             return self.place(jax.tree_util.tree_unflatten(treedef, leaves))
+        return self.flat_plan(leaves, treedef)(leaves)
+
+    def flat_plan(self, leaves: list[Any], treedef: Any) -> Callable[[list[Any]], Any]:
+        """A function placing flattened host batches of this one signature (structure, shapes, dtypes), made
+        once per signature (one process).
+
+        Each leaf is transferred by :func:`jaxlight.compat.host_putter` when it is a numpy array, jax's own
+        per-device put with everything but the copy worked out once (``jax.device_put`` spends ~100 µs per
+        leaf of host time in its dispatch and ``jax.make_array_from_callback`` ~20, measured on jax 0.10.2
+        CPU: on a tiny model more than the step itself); a leaf that is already a jax array (or of a dtype
+        jax narrows, such as float64) by ``jax.device_put``.
+        """
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
         plan = self._flat.get(key)
         if plan is None:
@@ -297,12 +316,24 @@ class BatchPlacer:
                 else None
                 for x, sh in zip(leaves, shardings)
             ]
-            plan = self._flat[key] = list(zip(shardings, putters))
-        placed = [
-            put(x) if put is not None and type(x) is np.ndarray else jax.device_put(x, sh)
-            for x, (sh, put) in zip(leaves, plan)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, placed)
+            pairs = list(zip(shardings, putters))
+            unflatten = treedef.unflatten
+
+            def plan(leaves: list[Any]) -> Any:
+                return unflatten(
+                    [
+                        put(x) if put is not None and type(x) is np.ndarray else jax.device_put(x, sh)
+                        for x, (sh, put) in zip(leaves, pairs)
+                    ]
+                )
+
+            # batches of this signature may go to a compiled step as host arrays (see host_transfers): numpy
+            # leaves of the dtypes the step holds (jax would narrow a float64)
+            plan.host_ok = self.host_transfers and all(  # type: ignore[attr-defined]
+                put is not None and type(x) is np.ndarray for x, put in zip(leaves, putters)
+            )
+            self._flat[key] = plan
+        return plan
 
     def place(self, batch: Any) -> Any:
         def put(path, x):
@@ -330,10 +361,18 @@ FRESH_EPOCH_KEY = "_jaxlight_fresh_epoch"
 
 class Prefetched(NamedTuple):
     index: int  # batch_idx within the epoch
-    batch: Any  # device arrays
+    batch: Any  # device arrays; None when the batch was left on the host (``host``)
     rows: int  # global rows
     loader_state: Any  # loader.state_dict() right after this batch, if it has one
     valid: int | None = None  # real rows per share of a padded batch (None: not padded)
+    host: Any = None  # the loader's batch of numpy arrays, left unplaced (``Prefetcher(host_batches=True)``)
+    place: Callable[[], Any] | None = None  # places ``host`` (what ``placed()`` calls)
+
+    def placed(self) -> Any:
+        """The batch on the devices: ``batch``, or ``host`` placed now."""
+        if self.batch is not None or self.place is None:
+            return self.batch
+        return self.place()
 
 
 def pad_rows(batch: Any, rows: int) -> Any:
@@ -429,6 +468,9 @@ class Prefetcher:
     (:func:`check_signature`). ``interrupt(waiting)``, when given, is called
     before each batch is taken and every ``POLL_INTERVAL`` seconds while the
     consumer waits for one; it may raise to stop the loop (a preemption).
+    With ``host_batches`` (one process, one CPU device: ``BatchPlacer.host_transfers``) a batch of numpy
+    arrays is not placed: ``Prefetched.batch`` is None and ``host`` holds it, for a compiled step to
+    transfer itself; ``Prefetched.placed()`` places it when the consumer needs device arrays (a compile).
     """
 
     _END = object()
@@ -449,6 +491,7 @@ class Prefetcher:
         interrupt: Callable[[bool], None] | None = None,
         signature: BatchSignature | None = None,
         exact: bool = False,
+        host_batches: bool = False,
     ) -> None:
         self.loader = loader
         self.pad = pad
@@ -468,6 +511,7 @@ class Prefetcher:
         self._interrupted = False
         self._inline: Iterator[Prefetched] | None = None
         self._thread: threading.Thread | None = None
+        self.host_batches = host_batches and placer.host_transfers and not pad
         if reads_inline(loader, placer, depth):  # no thread: each batch is read and placed when the loop asks
             self._inline = self._produce()
             return
@@ -480,14 +524,37 @@ class Prefetcher:
         has_state = hasattr(self.loader, "state_dict") and callable(self.loader.state_dict)
         it = self._open()
         i = self.start
-        while not self._stop.is_set():
-            if self.limit is not None and i >= self.limit:
+        # Signatures (structure, shapes, dtypes of numpy leaves) whose batch passed every check below, with its
+        # global rows and placement: a later batch of the same signature passes them too (the first batch's
+        # signature, rows and the compiled shape they compare with are fixed once set), so it is only placed.
+        # One process, no padding: the common case, and the per-step cost of a small model.
+        seen: dict[tuple, tuple[int, Callable[[list[Any]], Any]]] | None = (
+            None if self.pad or self.placer.multiprocess else {}
+        )
+        stop, limit, flatten = self._stop, self.limit, jax.tree_util.tree_flatten
+        while not stop.is_set():
+            if limit is not None and i >= limit:
                 break
             try:
                 raw = next(it)
             except StopIteration:
                 break
-            state = self._loader_state() if has_state else self._plain_state(i + 1 == self.limit)
+            state = self._loader_state() if has_state else self._plain_state(i + 1 == limit)
+            if seen is not None:
+                # no is_leaf here: when every leaf comes out a numpy array the batch held no torch object (a
+                # tensor is a leaf either way, a torch.Size would come out as ints), so the tree is as
+                # flat_host_batch reads it
+                leaves, treedef = flatten(raw)
+                key = _host_signature(leaves, treedef)
+                known = seen.get(key) if key is not None else None
+                if known is not None:
+                    rows, place = known
+                    if self.host_batches and place.host_ok:  # the compiled step transfers it itself
+                        yield Prefetched(i, None, rows, state, None, raw, functools.partial(place, leaves))
+                    else:
+                        yield Prefetched(i, place(leaves), rows, state)
+                    i += 1
+                    continue
             leaves, treedef, rows = flat_host_batch(raw)
             if rows is None:  # not all arrays with one leading dim: say which leaf is wrong
                 rows = batch_rows(jax.tree_util.tree_unflatten(treedef, leaves), i)
@@ -503,7 +570,7 @@ class Prefetcher:
             grows = self.placer.global_rows(rows)
             if self.exact:
                 self._check_exact(grows, i)
-                yield Prefetched(i, self.placer.place_flat(leaves, treedef), grows, state)
+                yield self._item(i, seen, leaves, treedef, grows, state)
                 i += 1
                 continue
             if self.expected_rows is None:
@@ -518,8 +585,22 @@ class Prefetcher:
                     f"(DataLoader(drop_last=True)) or pass Trainer(ragged_batches='drop')"
                 )
             self.placer.check(grows, i)
-            yield Prefetched(i, self.placer.place_flat(leaves, treedef), grows, state)
+            yield self._item(i, seen, leaves, treedef, grows, state)
             i += 1
+
+    def _item(self, i: int, seen: dict | None, leaves: list[Any], treedef: Any, rows: int, state: Any) -> Prefetched:
+        """Batch ``i``, which passed every check: placed, or left on the host for the consumer (``host_batches``);
+        its signature remembered in ``seen`` when a later batch of it would pass them all too (rows the batch
+        axes divide: an epoch's first batch must have such)."""
+        if seen is None:
+            return Prefetched(i, self.placer.place_flat(leaves, treedef), rows, state)
+        place = self.placer.flat_plan(leaves, treedef)
+        key = _host_signature(leaves, treedef)
+        if key is not None and rows and rows % self.placer.divisor == 0:
+            seen[key] = (rows, place)
+        if key is not None and self.host_batches and place.host_ok:  # type: ignore[attr-defined]
+            return Prefetched(i, None, rows, state, None, treedef.unflatten(leaves), functools.partial(place, leaves))
+        return Prefetched(i, place(leaves), rows, state)
 
     def _plain_state(self, last: bool) -> Any:
         """A loader without ``state_dict`` but with a torch generator (a plain ``DataLoader(shuffle=True,

@@ -313,13 +313,19 @@ class Engine:
         shown = (params is not None and w[0] is params, rest is not None and w[1] is rest)
         if not any(shown):
             return {}
-        current = {k: self.module.__dict__.get(k) for k in self.parts.names}
+        d = self.module.__dict__
         slots = self._slots[1] if self._slots is not None and self._slots[0] == w[2] else None
-        if slots is not None and tuple(id(v) for v in current.values()) == w[2]:
-            held = [(is_param, key, var.get_raw_value()) for var, is_param, key in slots]
-        else:
-            fp, fr = self._read_replaced(current)
-            held = [(True, k, v) for k, v in fp.items()] + [(False, k, v) for k, v in fr.items()]
+        if slots is not None and tuple(id(d.get(k)) for k in self.parts.names) == w[2]:
+            # the per-step path (a user's per-batch hook ran): one identity check per variable
+            edits: dict[tuple[bool, str], Any] = {}
+            for var, is_param, key in slots:
+                if shown[0 if is_param else 1]:
+                    value = var.get_raw_value()
+                    if value is not w[0 if is_param else 1][key]:
+                        edits[(is_param, key)] = value
+            return edits
+        fp, fr = self._read_replaced({k: d.get(k) for k in self.parts.names})
+        held = [(True, k, v) for k, v in fp.items()] + [(False, k, v) for k, v in fr.items()]
         return {
             (is_param, key): value
             for is_param, key, value in held

@@ -198,6 +198,7 @@ class MultiStepEpochs:
             return compiled
         if "train" not in engine.compiled:
             engine.batch_rows["train"] = group[0].rows
+        batches = tuple(it.placed() for it in group)  # compiled for the placed batches' shardings
         if size == 1:
             compiled = engine.compile_train(engine.train_state, batches[0], idxs[0], flush[0])
         else:
@@ -245,7 +246,8 @@ class MultiStepEpochs:
             if not group:
                 break
             size = len(group)
-            batches = tuple(it.batch for it in group)
+            # a batch left on the host (no per-batch hook reads it) goes to the program as it is: it transfers it
+            batches = tuple(it.host if it.batch is None else it.batch for it in group)
             idxs = np.fromiter((it.index for it in group), np.int32, size)
             flush = np.fromiter((last_known and it.index + 1 >= n_batches for it in group), np.bool_, size)
             compiled = self._program(group, batches, idxs, flush)
@@ -261,7 +263,7 @@ class MultiStepEpochs:
                 state.batch_idx = item.index
                 if self.sync_start:
                     engine.sync_module()
-                started = hooks.call("on_train_batch_start", item.batch, item.index, callbacks=cbs)
+                started = hooks.call("on_train_batch_start", batches[j], item.index, callbacks=cbs)
                 if j < size - 1:
                     self._refuse_edits("on_train_batch_start", item, group)
                 if started == -1:
@@ -276,7 +278,7 @@ class MultiStepEpochs:
                 reporter.on_train_step(logs[j], outputs[j]["loss"])
                 if self.sync_end:
                     engine.sync_module()
-                hooks.call("on_train_batch_end", outputs[j], item.batch, item.index, callbacks=cbs)
+                hooks.call("on_train_batch_end", outputs[j], batches[j], item.index, callbacks=cbs)
                 if j < size - 1:
                     self._refuse_edits("on_train_batch_end", item, group)
                 # Lightning: logged when the update counter reaches the cadence, or when stopping

@@ -10,7 +10,9 @@ hook X itself" (:func:`overrides`), "can ``fn`` take argument X"
 
 from __future__ import annotations
 
+import dis
 import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,7 @@ CALLBACK_HOOKS: tuple[str, ...] = tuple(n for n, f in vars(Callback).items() if 
 """Every hook a Callback may implement (its public methods), in declaration order."""
 
 _PER_BATCH_TRAIN_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+_BATCH_ARG = {"on_train_batch_start": 0, "on_train_batch_end": 1}  # where ``batch`` is in the module hook's arguments
 
 
 def overrides(obj: Any, name: str) -> bool:
@@ -139,11 +142,50 @@ def step_call(
     return lambda batch, batch_idx: fn(batch, batch_idx, dataloader_idx)
 
 
+_FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "getframeinfo", "stack"})
+"""Names through which a function can read its own local variables without naming them (``locals()``, frames)."""
+
+
+def reads_argument(fn: Any, position: int) -> bool:
+    """Whether ``fn`` may read the argument passed at ``position`` (0-based, after ``self`` for a bound method).
+
+    False only when that is plain to see in ``fn``'s code: a Python function whose parameter at that position
+    is never loaded (no ``LOAD_FAST``/``LOAD_DEREF`` of its name, not captured by an inner function) and whose
+    code names nothing that reads locals or frames (``locals``, ``vars``, ``eval``, ``exec``, frame functions).
+    True for anything else: ``*args``, a builtin, a callable object, a decorated function (its wrapper takes
+    ``*args``), a parameter missing at that position. The loop asks this of per-batch hooks: one that never
+    reads its ``batch`` is not given the batch placed on the devices (see :meth:`HookCaller.reads_batch`).
+    """
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is None or not isinstance(func, types.FunctionType):
+        return True
+    index = position + (1 if inspect.ismethod(fn) else 0)
+    if index >= code.co_argcount:
+        return True  # it reaches *args (or the call would fail): unknown
+    name = code.co_varnames[index]
+    if name in code.co_cellvars or _FRAME_READERS.intersection(code.co_names):
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "DELETE_FAST", "STORE_FAST")):
+            val = ins.argval
+            if val == name or (isinstance(val, tuple) and name in val):
+                return True
+    return False
+
+
 def user_code(fn: Any) -> bool:
     """Whether ``fn`` (a bound method or a function) was written outside jaxlight."""
     fn = getattr(fn, "__func__", fn)
     module = getattr(fn, "__module__", None)
     return not (isinstance(module, str) and (module == "jaxlight" or module.startswith("jaxlight.")))
+
+
+def _own(cb: Callback, hook: str) -> bool:
+    """Whether ``cb.<hook>`` runs only jaxlight's code: one of jaxlight's own callback classes (not a user's
+    subclass of one) whose hook is the class's method (not a function set on the instance, as
+    ``LambdaCallback`` holds the user's)."""
+    return type(cb).__module__.startswith("jaxlight.") and not user_code(getattr(cb, hook))
 
 
 def check_callbacks(callbacks: Callback | Sequence[Callback] | None) -> list[Callback]:
@@ -210,6 +252,8 @@ class HookCaller:
         self.module: LightningModule | None = None
         self._table: dict[str, tuple[list[Callback], bool]] = {}
         self._module_readers: set[str] = set()
+        self._batch_readers: set[str] = set()
+        self._foreign: dict[str, bool] = {}  # per hook: whether a callback implementing it runs user code
 
     def attach(self, module: LightningModule) -> None:
         """Serve ``module``: its ``configure_callbacks()`` replace the Trainer's callbacks of the same
@@ -226,25 +270,39 @@ class HookCaller:
         """Per hook, the callbacks that implement it and whether the module does; and which per-batch
         train hooks run user code that may read the module's NNX attributes."""
         module = self.module
-        self._table = {}
+        self._table, self._foreign = {}, {}
         for name in CALLBACK_HOOKS:
             cbs = [c for c in self.callbacks if overrides(c, name)]
             self._table[name] = (cbs, module is not None and overrides(module, name))
+            self._foreign[name] = any(not _own(c, name) for c in cbs)
         # Hooks whose user code may read the module's NNX attributes between train steps (the step donates
         # the arrays they point at): the loop re-points them at the new state before calling these only.
         self._module_readers = set()
         saving = any(user_code(c.on_save_checkpoint) for c in self._table["on_save_checkpoint"][0])
         saving |= self._table["on_save_checkpoint"][1]
+        self._batch_readers = set()
         for name in _PER_BATCH_TRAIN_HOOKS:
             cbs, mod = self._table[name]
             user = any(user_code(getattr(c, name)) for c in cbs) or (mod and user_code(getattr(module, name)))
             if user or (saving and cbs):
                 self._module_readers.add(name)
+            at = _BATCH_ARG[name]  # callbacks get (trainer, pl_module) first
+            if any(reads_argument(getattr(c, name), at + 2) for c in cbs) or (
+                mod and reads_argument(getattr(module, name), at)
+            ):
+                self._batch_readers.add(name)
 
     def reads_module(self, hook: str) -> bool:
         """Whether a user's implementation of per-batch ``hook`` runs this fit (so the loop points the
         module's attributes at the current train state first; jaxlight's own callbacks never read them)."""
         return hook in self._module_readers
+
+    def reads_batch(self, hook: str) -> bool:
+        """Whether an implementation of per-batch train hook ``hook`` (a callback's or the module's) may read its
+        ``batch`` argument (:func:`reads_argument`). When none does, the loop may give the compiled step the
+        loader's host arrays to transfer itself (one device on CPU), and the hooks then get those host arrays,
+        which they never look at."""
+        return hook in self._batch_readers
 
     def eval_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters evaluation runs on: ``params``, or a callback's (e.g. EMA) when it provides them."""
@@ -257,7 +315,12 @@ class HookCaller:
     def call(self, hook: str, *args: Any, module: bool = True, callbacks: Sequence[Callback] | None = None) -> Any:
         """Call ``hook`` on the callbacks (those given, or every one that implements it), then on the
         module; host-side ``self.log`` calls made inside take the hook's defaults. Returns the module's
-        result."""
+        result.
+
+        The train loop calls two hooks per step, so this is its per-step dispatch: a table lookup, the
+        hook's scope set on the reporter (no context manager), and the engine told which hook ran only
+        when code other than jaxlight's own callbacks ran (only that can replace the module's NNX
+        attributes)."""
         table = self._table.get(hook)
         if table is None:
             cbs, mod = list(self.callbacks), hasattr(self.module, hook)
@@ -268,18 +331,23 @@ class HookCaller:
         run_module = module and mod and self.module is not None
         if not cbs and not run_module:
             return None  # nothing implements it: no bookkeeping
-        reporter = self.reporter
+        reporter, trainer, target = self.reporter, self._trainer, self.module
         result = None
-        with reporter.in_hook(hook):
+        prev, reporter.hook = reporter.hook, hook
+        try:
             for cb in cbs:
-                getattr(cb, hook)(self._trainer, self.module, *args)
+                getattr(cb, hook)(trainer, target, *args)
                 reporter.flush_host_logs()
             if run_module:
-                result = getattr(self.module, hook)(*args)
+                result = getattr(target, hook)(*args)
                 reporter.flush_host_logs()
-        engine = getattr(self._trainer, "engine", None)
-        if engine is not None:
-            engine.note_hook(hook)  # a hook that replaced held NNX state is named if the step must refuse it
+        finally:
+            reporter.hook = prev
+        foreign = self._foreign.get(hook, True) if callbacks is None else any(not _own(c, hook) for c in cbs)
+        if run_module or foreign:
+            engine = getattr(trainer, "engine", None)
+            if engine is not None:
+                engine.note_hook(hook)  # a hook that replaced held NNX state is named if the step must refuse it
         return result
 
     def call_on_exception(self, exception: BaseException) -> None:

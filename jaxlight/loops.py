@@ -68,9 +68,15 @@ class RunAhead:
         self._inflight: collections.deque = collections.deque()
 
     def push(self, token: Any) -> None:
-        self._inflight.append(token)
-        if len(self._inflight) > self.depth:
-            jax.block_until_ready(self._inflight.popleft())
+        inflight = self._inflight
+        inflight.append(token)
+        if len(inflight) > self.depth:
+            old = inflight.popleft()
+            wait = getattr(old, "block_until_ready", None)  # a step's loss: the array's own wait, no tree walk
+            if wait is not None:
+                wait()
+            else:
+                jax.block_until_ready(old)
 
     def clear(self) -> None:
         self._inflight.clear()
@@ -251,6 +257,10 @@ def prefetcher(
         exact=not pad and (not train or config.ragged_batches == "keep"),
         interrupt=stop_poll(parts.hooks.callbacks),
         signature=compiled_signature(parts.engine.compiled.get("train")) if train else None,
+        # the train step may take the loader's host arrays when no per-batch hook looks at the batch
+        host_batches=train
+        and not parts.hooks.reads_batch("on_train_batch_start")
+        and not parts.hooks.reads_batch("on_train_batch_end"),
     )
 
 
@@ -588,6 +598,8 @@ class FitLoop:
                 for item in () if self.executions is not None else fetcher:
                     ran_val_at_end = False
                     batch, idx = item.batch, item.index
+                    if batch is None:  # left on the host (no hook reads it): the compiled step transfers it
+                        batch = item.host
                     state.batch_idx = idx
                     if sync_start:
                         engine.sync_module()
@@ -603,6 +615,7 @@ class FitLoop:
                     if compiled is None:
                         if "train" not in engine.compiled:
                             engine.batch_rows["train"] = item.rows
+                        batch = item.placed()  # compiled for the placed batch's shardings
                         compiled = engine.compile_train(engine.train_state, batch, step_index(idx), flush)
                         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
                         note_ragged_compiles(engine)

@@ -210,6 +210,7 @@ class MetricStore:
         self._fold_fns: dict[tuple, Any] = {}
         self._masks: dict[int, Any] = {}
         self._sharding: Any = None  # where the epoch accumulators live
+        self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], tuple]] = {}  # see update
 
     def register(self, specs: Mapping[str, LogSpec]) -> None:
         for k, s in specs.items():
@@ -217,12 +218,19 @@ class MetricStore:
             if prev is not None and prev != s:
                 raise ValueError(f"metric {k!r} is logged with different flags in two places: {prev} vs {s}")
             self.specs[k] = s
+        self._plans = {}
 
     def update(self, values: Mapping[str, tuple[Any, Any]]) -> None:
         """Record one step's logged values (device arrays; nothing syncs)."""
+        step_values = self.step_values
         for k, (v, _) in values.items():
-            self.step_values[k] = v
-        epoch_keys = tuple(sorted(k for k in values if self.specs[k].on_epoch))
+            step_values[k] = v
+        names = tuple(values)
+        plan = self._plans.get(names)  # which of these names accumulate per epoch: the same every step
+        if plan is None:
+            epoch = tuple(sorted(k for k in values if self.specs[k].on_epoch))
+            plan = self._plans[names] = (epoch, tuple((k, self.specs[k].reduce_fx) for k in epoch))
+        epoch_keys, key = plan
         if not epoch_keys:
             return
         if self._sharding is None:
@@ -230,10 +238,10 @@ class MetricStore:
             # so the fold compiles once; values logged elsewhere (a host hook's floats) are moved there
             self._sharding = getattr(values[epoch_keys[0]][0], "sharding", None)
         target = self._sharding
-        step = {k: values[k] for k in epoch_keys}
         if target is not None:
-            step = {k: tuple(_placed(x, target) for x in vw) for k, vw in step.items()}
-        key = tuple((k, self.specs[k].reduce_fx) for k in epoch_keys)
+            step = {k: tuple(_placed(x, target) for x in values[k]) for k in epoch_keys}
+        else:
+            step = {k: values[k] for k in epoch_keys}
         if key != self._pending_key:
             self._fold()
             self._pending_key = key

@@ -68,6 +68,7 @@ class MetricReporter:
         self._loader_of: dict[str, int] = {}  # store key -> the evaluation loader it was logged under
         self._logged_loader: dict[str, int | None] = {}  # logged epoch name -> that loader (None: outside any)
         self._step_loss: Any = None  # the latest train step's loss (by reference), checked at the log cadence
+        self._step_views: dict[tuple[str, ...], tuple[MetricStore, tuple]] = {}  # see on_train_step
         self._loss_warned = False
 
     def store(self, stage: str) -> MetricStore:
@@ -111,17 +112,26 @@ class MetricReporter:
         """Record one train step's logged values (device arrays, by reference) as the latest callback and
         logged metrics, and its ``loss`` (checked for NaN/Inf by :meth:`publish_step`)."""
         self._step_loss = loss
-        store = self.store("train")
+        store = self.stores.get("train") or self.store("train")
         store.update(logs)
-        for k, v in store.step_values.items():
-            spec = store.specs[k]
-            if spec.on_step:
-                self.callback_metrics[k] = v
-                name = _name(spec, k, "step")
-                if spec.on_epoch:
-                    self.callback_metrics[name] = v
-                if spec.logger:
-                    self.logged_metrics[name] = v
+        values = store.step_values
+        names = tuple(values)
+        views = self._step_views.get(names)  # where each name shows: the same every step
+        if views is None or views[0] is not store:
+            rows = []
+            for k in names:
+                spec = store.specs[k]
+                if spec.on_step:
+                    name = _name(spec, k, "step")
+                    rows.append((k, (k, name) if spec.on_epoch else (k,), (name,) if spec.logger else ()))
+            views = self._step_views[names] = (store, tuple(rows))
+        callback, logged = self.callback_metrics, self.logged_metrics
+        for k, to_callback, to_logged in views[1]:
+            v = values[k]
+            for name in to_callback:
+                callback[name] = v
+            for name in to_logged:
+                logged[name] = v
 
     def on_eval_step(self, stage: str, logs: Mapping[str, Any], dataloader_idx: int = 0) -> None:
         """Record one evaluation step's values. Values logged ``on_step`` become ``logged_metrics`` now (by

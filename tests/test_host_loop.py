@@ -5,13 +5,15 @@ as the paths they replace (timings live in benchmarks/peers.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
 import jaxlight as jl
-from jaxlight.data import BatchPlacer, Prefetcher, flat_host_batch, reads_inline
+from jaxlight.data import BatchPlacer, Prefetcher, flat_host_batch, leaf_path, reads_inline
 from tests.core_models import Classifier, batches, make_data, quiet
 
 
@@ -36,7 +38,8 @@ def test_place_flat_gives_what_device_put_gives(strategy):
     leaves, treedef, _ = flat_host_batch(batch)
     got = placer.place_flat(leaves, treedef)
     again = placer.place_flat(leaves, treedef)  # the cached plan
-    shardings = [sh for sh, _ in next(iter(placer._flat.values()))]
+    paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
+    shardings = [placer.leaf_sharding(p, tuple(x.shape)) for p, x in zip(paths, leaves)]
     want = jax.tree_util.tree_unflatten(treedef, jax.device_put(leaves, shardings))
     for out in (got, again):
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
@@ -125,3 +128,130 @@ def test_compiled_step_sees_the_same_shardings_as_before():
     placed = placer.place_flat(*flat_host_batch((x, y))[:2])
     assert placed[0].sharding == NamedSharding(trainer.mesh, placer.leaf_sharding("0", (16, x.shape[1])).spec)
     assert trainer.compile_counts == {"train": 1}
+
+
+# -- batches left on the host: the compiled step transfers them when no per-batch hook reads them ----------
+def _decorated(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _Hooks(jl.Callback):
+    """Per-batch hooks written the ways users write them: which of them may read their ``batch``."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # never looks at it
+        self.seen = batch_idx
+
+    def reads(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows = batch[0].shape[0]
+
+    def renamed(self, trainer, pl_module, outputs, b, batch_idx):  # Lightning passes it positionally
+        return len(b)
+
+    def renamed_unused(self, trainer, pl_module, outputs, b, batch_idx):
+        return batch_idx
+
+    def captured(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.later = lambda: batch  # kept for later: reads it
+
+    def by_locals(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.names = dict(locals())
+
+    def star(self, trainer, pl_module, *args):
+        self.args = args
+
+    def reassigned(self, trainer, pl_module, outputs, batch, batch_idx):
+        batch = None  # noqa: F841 - a store counts too (conservative)
+
+    @_decorated
+    def decorated(self, trainer, pl_module, outputs, batch, batch_idx):
+        return batch_idx
+
+
+def test_reads_argument_is_false_only_when_the_code_plainly_never_reads_it():
+    from jaxlight.hooks import reads_argument
+
+    h = _Hooks()
+    at = 3  # batch's position in a callback's on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+    assert not reads_argument(h.on_train_batch_end, at)
+    assert not reads_argument(h.renamed_unused, at)
+    for name in ("reads", "renamed", "captured", "by_locals", "star", "reassigned", "decorated"):
+        assert reads_argument(getattr(h, name), at), name
+    assert reads_argument(h.on_train_batch_end, 4)  # batch_idx is read
+    # a module's hook has no trainer/pl_module; a function set on an instance (LambdaCallback) no self
+    assert not reads_argument(lambda trainer, pl_module, outputs, batch, batch_idx: batch_idx, 3)
+    assert reads_argument(lambda trainer, pl_module, outputs, batch, batch_idx: batch, 3)
+    assert not reads_argument(Classifier().on_train_batch_end, 1)  # the default: reads nothing
+    assert reads_argument(print, 0) and reads_argument(functools.partial(h.reads, None), 2)  # unknown: reads
+    assert reads_argument(h.on_train_batch_end, 9)  # no such parameter: unknown
+
+
+class _Counting:
+    """``compat.host_putter`` wrapped to count the leaves placed from Python."""
+
+    def __init__(self, monkeypatch) -> None:
+        import jaxlight.data
+
+        self.calls = 0
+        real = jaxlight.data.compat.host_putter
+
+        def host_putter(*args):
+            put = real(*args)
+
+            def counted(x):
+                self.calls += 1
+                return put(x)
+
+            return counted
+
+        monkeypatch.setattr(jaxlight.data.compat, "host_putter", host_putter)
+
+
+class WeightsOnly(jl.Callback):
+    """A per-batch hook that reads the weights and the loss, never the batch."""
+
+    def __init__(self) -> None:
+        self.weights: list = []
+        self.losses: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.weights.append(np.asarray(pl_module.net.l1.kernel[...]))
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_a_batch_no_hook_reads_is_transferred_by_the_step_and_trains_identically(monkeypatch, spe):
+    data = batches(*make_data(96), 16)
+    counted = _Counting(monkeypatch)
+
+    def run(cb):
+        trainer = jl.Trainer(devices=1, max_epochs=2, callbacks=[cb], steps_per_execution=spe, **quiet())
+        trainer.fit(Classifier(), train_dataloaders=data)
+        return trainer
+
+    counted.calls = 0
+    light = WeightsOnly()
+    fast = run(light)
+    from_python = counted.calls
+    counted.calls = 0
+    seen = Seen()  # reads the batch: every batch is placed for it
+    slow = run(seen)
+    # the first batch is placed to compile the step; after it the step takes the loader's numpy arrays
+    assert from_python == 2 * spe and counted.calls == 2 * 12
+    for a, b in zip(jax.tree.leaves(fast.train_state), jax.tree.leaves(slow.train_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(light.weights, seen.weights, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert fast.compile_counts == slow.compile_counts == {"train": 1}  # one program: 6 batches are 2 executions
+
+
+def test_several_devices_place_every_batch_as_before(monkeypatch):
+    """On a mesh of several devices jax's C++ dispatch would shard numpy arguments in Python (slower than the
+    planned put): batches are placed as before, hooks or not."""
+    counted = _Counting(monkeypatch)
+    trainer = jl.Trainer(devices=8, max_epochs=1, callbacks=[WeightsOnly()], **quiet())
+    trainer.fit(Classifier(), train_dataloaders=batches(*make_data(96), 16))
+    assert counted.calls == 2 * 6

@@ -332,9 +332,11 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # kept by reference (no sync): fetched only when a save is decided, which syncs anyway
-        self._step_loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
-        skip_due_to_state = self._should_skip_saving_checkpoint(trainer)
+        self._step_loss = outputs.get("loss") if type(outputs) is dict or isinstance(outputs, Mapping) else None
         skip_batch = self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps != 0
+        if skip_batch and self._train_time_interval is None:
+            return  # the usual step: nothing is due (checked first, it runs after every train step)
+        skip_due_to_state = self._should_skip_saving_checkpoint(trainer)
         skip_time = True
         now = time.monotonic()
         if self._train_time_interval is not None:
