@@ -30,6 +30,9 @@ stage overhead 120 $PY benchmarks/overhead.py --rounds 12 --steps 20
 # host offload with a real PCIe link and a memory_analysis that counts host bytes; its third row streams
 # the offloaded state in 8 groups (HostOffload(stream=8), issue 25: target <= 1.3x no offload)
 stage offload 180 $PY benchmarks/offload.py
+# MFU of the demo GPT scaled to ~1 B parameters in bf16: achieved TFLOP/s per device against the chip's peak
+# (issue 25); the monitor's count (every layer of the scanned stack) beside the analytic 6NT + attention
+stage mfu 300 $PY benchmarks/mfu.py
 # jaxlight against the hand loop and Keras 3 (when installed) per tiny-MLP step (issue 25)
 stage peers_tiny 120 $PY benchmarks/peers.py --quick --workloads tiny --no-torch
 # per-step host overhead on the tiny MLP

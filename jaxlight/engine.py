@@ -715,7 +715,8 @@ class Engine:
         with self.context():
             fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
-                compiled = _AdoptingTrainStep(fn.lower(state, batch, batch_idx, flush).compile(), self)
+                traced = fn.trace(state, batch, batch_idx, flush)
+                compiled = _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, 1)
         self.compile_counts["train"] += 1
         self.train_steps[_signature(batch)] = compiled
         self.compiled.setdefault("train", compiled)
@@ -741,7 +742,8 @@ class Engine:
             fn = jax.jit(program, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
                 # host hooks' writes (metrics.reset() at epoch end) reach the execution, as a single step's
-                compiled = _AdoptingTrainStep(fn.lower(state, tuple(batches), batch_idx, flush).compile(), self)
+                traced = fn.trace(state, tuple(batches), batch_idx, flush)
+                compiled = _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, len(batches))
         self.compile_counts["train"] += 1
         self.multi_steps[(len(batches), _signature(batches[0]))] = compiled
         if full or "train" not in self.compiled:
@@ -769,10 +771,12 @@ class Engine:
 class _AdoptingTrainStep:
     """The compiled train step, called with host hooks' writes into the module adopted first
     (:meth:`Engine.adopt_host_edits`); ``as_text``, ``memory_analysis`` and the rest are the compiled
-    step's own."""
+    step's own. ``jaxpr`` is the traced program (without its constants; what
+    :func:`jaxlight.flops.matmul_flops` counts) and ``steps`` the train steps one call runs
+    (``steps_per_execution``, or fewer in an epoch's last execution)."""
 
-    def __init__(self, compiled: Any, engine: Engine) -> None:
-        self.compiled, self._engine = compiled, engine
+    def __init__(self, compiled: Any, engine: Engine, jaxpr: Any = None, steps: int = 1) -> None:
+        self.compiled, self._engine, self.jaxpr, self.steps = compiled, engine, jaxpr, steps
 
     def __call__(self, state: TrainState, *args: Any) -> Any:
         return self.compiled(self._engine.adopt_host_edits(state), *args)

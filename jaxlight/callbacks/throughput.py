@@ -11,6 +11,8 @@ import jax
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
+from jaxlight.flops import matmul_flops
+from jaxlight.rank_zero import rank_zero_warn
 
 # Dense peak FLOP/s per device by device_kind substring: (bf16/fp16, fp32 matmul as XLA runs it by default).
 # Numbers are the vendors' published dense peaks (no sparsity).
@@ -70,8 +72,11 @@ class ThroughputMonitor(Callback):
     train-step call), ``batches_per_sec``, ``samples_per_sec`` and
     ``device/samples_per_sec``, ``items_per_sec`` (tokens, when ``length_fn``
     is given or the batch holds a 2-D integer array), ``flops_per_step``
-    (per device, from the compiled train step's ``cost_analysis()``; XLA
-    reports the partitioned per-device program), ``device/flops_per_sec``,
+    (per device: the matrix products of the traced train step, forward,
+    backward and recomputation, a scanned layer stack once per layer, over the
+    devices: :func:`jaxlight.flops.matmul_flops`; XLA's ``cost_analysis()``
+    counts a loop's body once, so it reads a ``LayerStack`` model's FLOPs
+    ``layers`` times too low), ``device/flops_per_sec``,
     ``flops_per_sec`` (all devices) and ``device/mfu`` when the device's peak
     is known (``peak_flops``, or a table of common GPUs/TPUs by
     ``device_kind``). Timing uses host timestamps after the trainer's bounded
@@ -138,7 +143,7 @@ class ThroughputMonitor(Callback):
         self._samples.append(self.batch_size_fn(batch))
         self._items.append(self.length_fn(batch))
         if self.flops_per_step is None and "train" in trainer.compiled:
-            self.flops_per_step = _flops(trainer.compiled["train"])
+            self.flops_per_step = _flops(trainer.compiled["train"], trainer.mesh.size)
             self.memory = _memory(trainer.compiled["train"], trainer.train_state, self.separator)
         stepped = trainer.position.last_stepped
         if stepped and trainer.global_step % trainer.log_every_n_steps == 0:
@@ -197,7 +202,19 @@ def _memory(compiled: Any, state: Any, sep: str) -> dict[str, float]:
     return out
 
 
-def _flops(compiled: Any) -> float | None:
+def _flops(compiled: Any, devices: int) -> float | None:
+    """FLOPs of one train step on one device: the traced step's matrix products (:func:`jaxlight.flops.matmul_flops`,
+    loops counted as often as they run) over the devices and the steps one call runs; XLA's ``cost_analysis()``
+    when the step carries no traced program."""
+    jaxpr = getattr(compiled, "jaxpr", None)
+    if jaxpr is not None:
+        count = matmul_flops(jaxpr)
+        if not count.exact:
+            rank_zero_warn(
+                "ThroughputMonitor: the train step has a while loop, whose trip count is known only at run time; "
+                "its body's FLOPs are counted once, so flops_per_step and MFU are a lower bound"
+            )
+        return count.flops / max(1, devices) / max(1, getattr(compiled, "steps", 1))
     try:
         cost = compiled.cost_analysis()
     except Exception:
