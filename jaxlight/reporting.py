@@ -72,7 +72,10 @@ class MetricReporter:
         self._loss_warned = False
 
     def store(self, stage: str) -> MetricStore:
-        return self.stores.setdefault(stage, MetricStore())
+        store = self.stores.get(stage)  # not setdefault: that would build a MetricStore on every call
+        if store is None:
+            store = self.stores[stage] = MetricStore()
+        return store
 
     # -- self.log in host hooks -------------------------------------------------
     @contextlib.contextmanager
@@ -112,7 +115,7 @@ class MetricReporter:
         """Record one train step's logged values (device arrays, by reference) as the latest callback and
         logged metrics, and its ``loss`` (checked for NaN/Inf by :meth:`publish_step`)."""
         self._step_loss = loss
-        store = self.stores.get("train") or self.store("train")
+        store = self.store("train")
         store.update(logs)
         values = store.step_values
         names = tuple(values)
