@@ -318,7 +318,7 @@ class HookCaller:
         result.
 
         The train loop calls two hooks per step, so this is its per-step dispatch: a table lookup, the
-        hook's scope set on the reporter (no context manager), and the engine told which hook ran only
+        hook's scope on the reporter (a slotted class, no generator), and the engine told which hook ran only
         when code other than jaxlight's own callbacks ran (only that can replace the module's NNX
         attributes)."""
         table = self._table.get(hook)
@@ -333,16 +333,13 @@ class HookCaller:
             return None  # nothing implements it: no bookkeeping
         reporter, trainer, target = self.reporter, self._trainer, self.module
         result = None
-        prev, reporter.hook = reporter.hook, hook
-        try:
+        with reporter.in_hook(hook):
             for cb in cbs:
                 getattr(cb, hook)(trainer, target, *args)
                 reporter.flush_host_logs()
             if run_module:
                 result = getattr(target, hook)(*args)
                 reporter.flush_host_logs()
-        finally:
-            reporter.hook = prev
         foreign = self._foreign.get(hook, True) if callbacks is None else any(not _own(c, hook) for c in cbs)
         if run_module or foreign:
             engine = getattr(trainer, "engine", None)

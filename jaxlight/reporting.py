@@ -41,6 +41,21 @@ def _name(spec: LogSpec, name: str, level: str) -> str:
     return f"{base}_{level}{sep}{idx}"
 
 
+class _HookScope:
+    """``with reporter.in_hook(hook):``: sets ``reporter.hook`` and puts the previous one back."""
+
+    __slots__ = ("hook", "prev", "reporter")
+
+    def __init__(self, reporter: MetricReporter, hook: str) -> None:
+        self.reporter, self.hook = reporter, hook
+
+    def __enter__(self) -> None:
+        self.prev, self.reporter.hook = self.reporter.hook, self.hook
+
+    def __exit__(self, *exc: Any) -> None:
+        self.reporter.hook = self.prev
+
+
 class MetricReporter:
     """Owns the metric stores and the three metric views of a Trainer.
 
@@ -78,14 +93,10 @@ class MetricReporter:
         return store
 
     # -- self.log in host hooks -------------------------------------------------
-    @contextlib.contextmanager
-    def in_hook(self, hook: str) -> Iterator[None]:
-        """Run a hook: host ``self.log`` calls made inside it take the hook's defaults."""
-        prev, self.hook = self.hook, hook
-        try:
-            yield
-        finally:
-            self.hook = prev
+    def in_hook(self, hook: str) -> _HookScope:
+        """Run a hook: host ``self.log`` calls made inside it take the hook's defaults. A plain class, not a
+        generator context manager: the train loop enters it twice per step."""
+        return _HookScope(self, hook)
 
     def host_collector(self) -> Collector:
         """Where ``self.log`` records when called outside a compiled step."""
