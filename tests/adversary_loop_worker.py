@@ -24,10 +24,12 @@ import threading
 if __name__ == "__main__":  # a subprocess: its own devices (the in-process tests import Loader only)
     out, opts = sys.argv[1], json.loads(sys.argv[2])
     mp = opts.get("mp")
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if mp else 8}"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.xla_flags import cpu_xla_flags  # imports no jax
+
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(4 if mp else 8)
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["TQDM_DISABLE"] = "1"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxlight as jl
 from tests.checkpoint_models import arrays

@@ -13,10 +13,12 @@ import os
 import sys
 
 out, opts = sys.argv[1], json.loads(sys.argv[2])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["TQDM_DISABLE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.xla_flags import cpu_xla_flags  # noqa: E402  (imports no jax)
+
+os.environ["XLA_FLAGS"] = cpu_xla_flags(1)
 
 import warnings  # noqa: E402
 

@@ -11,10 +11,12 @@ import sys
 import time
 
 pid, nproc, port, out, opts = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["TQDM_DISABLE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.xla_flags import cpu_xla_flags  # noqa: E402  (imports no jax)
+
+os.environ["XLA_FLAGS"] = cpu_xla_flags(4)
 
 import jaxlight as jl  # noqa: E402
 

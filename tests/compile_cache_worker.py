@@ -30,7 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TQDM_DISABLE", "1")
 if scenario == "mp":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    from tests.xla_flags import cpu_xla_flags  # imports no jax
+
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(2)
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 jax_hits: list[str] = []

@@ -26,6 +26,7 @@ from jaxlight.cli import main as cli_main
 from jaxlight.loggers import CSVLogger
 from jaxlight.strategies import FSDP, Strategy, TensorParallel
 from tests.cli_models import Classifier, RunRecorder, ToyData
+from tests.xla_flags import cpu_xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = [
@@ -426,7 +427,7 @@ def test_docs_cli_example_runs_as_written(tmp_path):
     (tmp_path / "train.py").write_text(script)
     (tmp_path / "config.yaml").write_text(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(8))
     r = subprocess.run(
         [sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

@@ -32,6 +32,7 @@ import yaml
 from jaxlight import distributed
 from jaxlight.cli import main as cli_main
 from jaxlight.launch import LaunchError, child_env, device_assignment, visible_gpus
+from tests.xla_flags import codegen_flags, cpu_xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = [sys.executable, "-m", "jaxlight.cli", "launch"]
@@ -42,7 +43,9 @@ TOL = 1e-5
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "SLURM_", "PL_"))}
-    env.update(JAX_PLATFORMS="cpu", TQDM_DISABLE="1", **extra)
+    # no device count (the launcher sets it), only the tests' code generator flags
+    env.update(JAX_PLATFORMS="cpu", TQDM_DISABLE="1", XLA_FLAGS=codegen_flags())
+    env.update(extra)
     return env
 
 
@@ -107,7 +110,7 @@ def test_launch_prefixes_output_and_gives_each_process_its_environment(tmp_path)
     coordinators = {x["JAX_COORDINATOR_ADDRESS"] for x in infos}
     assert len(coordinators) == 1 and re.fullmatch(r"localhost:\d+", coordinators.pop())
     assert [x["JAX_PROCESS_ID"] for x in infos] == ["0", "1", "2"] and {x["JAX_NUM_PROCESSES"] for x in infos} == {"3"}
-    assert {x["XLA_FLAGS"] for x in infos} == {"--xla_force_host_platform_device_count=2"}
+    assert {x["XLA_FLAGS"] for x in infos} == {f"{codegen_flags()} --xla_force_host_platform_device_count=2".strip()}
     # every process leads its own process group and session (signals are forwarded, not broadcast by the tty)
     assert all(x["pgid"] == x["pid"] == x["sid"] for x in infos)
     assert os.getpgid(0) not in {x["pgid"] for x in infos}
@@ -431,7 +434,7 @@ def test_slurm_recipe_runs_with_a_stand_in_srun(tmp_path, one_process_8_devices)
         SLURM_JOB_NODELIST="localhost",
         SLURM_GPUS_ON_NODE="4",
         SLURM_SUBMIT_DIR=str(ROOT),
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=cpu_xla_flags(4),
         RUN_DIR=str(tmp_path / "root"),
     )
     r = subprocess.run(
@@ -463,7 +466,7 @@ def test_kubernetes_indexed_job_pods_run_as_local_processes(tmp_path, one_proces
         env = _clean_env(
             PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
             JOB_COMPLETION_INDEX=str(index),
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            XLA_FLAGS=cpu_xla_flags(4),
         )
         for e in container["env"]:
             if "value" in e:

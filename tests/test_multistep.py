@@ -135,6 +135,7 @@ def _state(trainer) -> list[np.ndarray]:
 RAGGED = [8, 8, 8, 8, 8, 5, 5, 8, 8, 8, 3]  # rows per batch: ragged batches inside the epoch and at its end
 
 
+@pytest.mark.default_codegen  # compares two compiled programs bit for bit: see tests/test_default_codegen.py
 @pytest.mark.parametrize(
     ("opt", "devices", "strategy", "rows"),
     [("sgd", 1, "auto", RAGGED), ("adam", 8, "fsdp", None)],

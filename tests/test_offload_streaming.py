@@ -23,6 +23,7 @@ from tests.test_strategies_offload import DIMS, _fit, _kinds, _leaves
 S = jl.strategies
 
 
+@pytest.mark.default_codegen  # compares two compiled programs bit for bit: see tests/test_default_codegen.py
 @pytest.mark.parametrize("base", ["ddp", "fsdp"])
 def test_streamed_offload_is_bit_identical_with_adam_ema_and_accumulation(base):
     ref, _ = _fit(base)

@@ -42,6 +42,7 @@ def _kinds(tree):
     return {jax.tree_util.keystr(p): x.sharding.memory_kind for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+@pytest.mark.default_codegen  # compares two compiled programs bit for bit: see tests/test_default_codegen.py
 @pytest.mark.parametrize("base", ["ddp", "fsdp", "fsdp+tp"])
 def test_offload_is_bit_identical_with_adam_ema_and_accumulation(base):
     ref, _ = _fit(base)
