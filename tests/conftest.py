@@ -5,7 +5,7 @@ import os
 import shutil
 import tempfile
 
-from tests.xla_flags import DEFAULT_CODEGEN_ENV, cpu_xla_flags  # imports no jax
+from tests.xla_flags import cheap_codegen, cpu_xla_flags  # imports no jax
 
 # Our flags last, so they win over the same flags already in the environment (XLA takes the last one).
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cpu_xla_flags(8)}".strip()
@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     single steps, offloaded against resident state). That holds under XLA's default code generator, not under
     the cheap one this process compiles with (tests/xla_flags.py: measured last-bit differences), so here they
     are skipped and tests/test_default_codegen.py runs them in a process with XLA's defaults."""
-    if os.environ.get(DEFAULT_CODEGEN_ENV) == "1":
+    if not cheap_codegen():
         return
     skip = pytest.mark.skip(reason="run under XLA's default code generator by tests/test_default_codegen.py")
     for item in items:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.xla_flags import CHEAP_CPU_CODEGEN, DEFAULT_CODEGEN_ENV
+from tests.xla_flags import CHEAP_CPU_CODEGEN, DEFAULT_CODEGEN_ENV, cheap_codegen
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "@pytest.mark.default_codegen"
@@ -40,13 +40,13 @@ def test_this_process_compiles_with_the_cheap_code_generator_unless_told_otherwi
     import jax
 
     assert len(jax.devices()) == 8
-    want = [] if os.environ.get(DEFAULT_CODEGEN_ENV) == "1" else list(CHEAP_CPU_CODEGEN)
+    want = list(CHEAP_CPU_CODEGEN) if cheap_codegen() else []
     assert _codegen_flags_in_use() == want, os.environ["XLA_FLAGS"]
 
 
 @pytest.mark.default_codegen  # checks, in the subprocess below, that it really runs under XLA's defaults
 def test_the_default_codegen_process_has_no_cheap_flags():
-    assert os.environ.get(DEFAULT_CODEGEN_ENV) == "1" and _codegen_flags_in_use() == [], os.environ["XLA_FLAGS"]
+    assert not cheap_codegen() and _codegen_flags_in_use() == [], os.environ["XLA_FLAGS"]
 
 
 @pytest.mark.slow

@@ -20,10 +20,15 @@ DEFAULT_CODEGEN_ENV = "JAXLIGHT_TESTS_DEFAULT_CODEGEN"
 CHEAP_CPU_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
+def cheap_codegen() -> bool:
+    """Whether this run's processes use the cheap code generator (``$JAXLIGHT_TESTS_DEFAULT_CODEGEN`` is not 1)."""
+    return os.environ.get(DEFAULT_CODEGEN_ENV) != "1"
+
+
 def codegen_flags(cheap: bool | None = None) -> str:
     """The code generator part of :func:`cpu_xla_flags` alone ("" under XLA's defaults)."""
     if cheap is None:
-        cheap = os.environ.get(DEFAULT_CODEGEN_ENV) != "1"
+        cheap = cheap_codegen()
     return " ".join(CHEAP_CPU_CODEGEN if cheap else ())
 
 
