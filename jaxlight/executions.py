@@ -1,15 +1,20 @@
-"""The fit loop's side of multi-step execution (``Trainer(steps_per_execution=N)``).
+"""An epoch as executions: the fit loop's one per-batch body.
 
-An epoch is cut into executions of N batches (the last one shorter when the
-epoch's length is not a multiple of N): N placed batches go into one compiled
-call (:class:`jaxlight.multistep.MultiStep`), then the per-batch hooks run for
-each of its batches in order, ``on_train_batch_start`` then
+An execution is one compiled call of N train steps (``Trainer(steps_per_execution=N)``;
+N = 1 by default, so a single step is an execution of one step). An epoch is cut into
+executions of N batches (the last one shorter when the epoch's length is not a
+multiple of N).
+
+One step runs in Lightning's order: ``on_train_batch_start``, the step,
+``on_train_batch_end``. An execution of several steps puts its stacked batches
+into one compiled call (:class:`jaxlight.multistep.MultiStep`), then runs the
+per-batch hooks for each of its batches in order, ``on_train_batch_start`` then
 ``on_train_batch_end`` with that batch's own outputs, and each batch's logged
-values reach the reporter as a single step's would. So the hooks run *after*
-the execution, as Keras's batch callbacks do with ``steps_per_execution``:
-they see each batch's outputs and the position (``global_step``,
-``batch_idx``) of that batch, but the weights and optimizer state as they are
-after the whole execution.
+values reach the reporter as a single step's would. So those hooks run *after*
+the execution, as Keras's batch callbacks do with ``steps_per_execution``: they
+see each batch's outputs and the position (``global_step``, ``batch_idx``) of
+that batch, but the weights and optimizer state as they are after the whole
+execution.
 
 What depends on the train state between batches happens on execution
 boundaries only, so it sees the state it would after single steps:
@@ -25,8 +30,9 @@ point where that happens.
 The batches of one execution are stacked, so they share one shape: with
 ``ragged_batches="keep"`` a batch of other rows ends the execution before it,
 and a lone batch runs as the single train step compiled for its shape (as
-with N = 1). Executions still end at the multiples of N, also after a resume
-from a point inside one (the first execution then runs up to the next).
+with N = 1, hooks in Lightning's order). Executions still end at the
+multiples of N, also after a resume from a point inside one (the first
+execution then runs up to the next).
 """
 
 from __future__ import annotations
@@ -42,11 +48,42 @@ from jaxlight.callbacks.lr_monitor import LearningRateMonitor
 from jaxlight.callbacks.preemption import Preemption
 from jaxlight.errors import MisconfigurationError
 from jaxlight.multistep import ExecutionPlan, Miss
+from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.callbacks.callback import Callback
     from jaxlight.data import Prefetched, Prefetcher
+    from jaxlight.engine import Engine
     from jaxlight.loops import FitLoop, RunAhead
+
+
+_FLUSH, _NO_FLUSH = np.bool_(True), np.bool_(False)
+_INDEX_CACHE: list[np.ndarray] = []
+
+
+def step_index(i: int) -> np.ndarray:
+    """``batch_idx`` as the int32 scalar the compiled steps take, made once per index (not per step)."""
+    if i >= 1 << 16:  # bounded: an endless loader's indices are made on the fly
+        return np.int32(i)
+    while len(_INDEX_CACHE) <= i:
+        _INDEX_CACHE.append(np.int32(len(_INDEX_CACHE)))
+    return _INDEX_CACHE[i]
+
+
+RAGGED_SHAPES_NOTE = 3  # a train step compiled for this many batch shapes says so once
+
+
+def note_ragged_compiles(engine: Engine) -> None:
+    """Say once when the train step has been compiled for :data:`RAGGED_SHAPES_NOTE` batch shapes: the usual
+    ragged last batch costs one extra compile, a loader whose batch sizes keep changing costs one each."""
+    n = len(engine.train_steps)
+    if n == RAGGED_SHAPES_NOTE:
+        rank_zero_info(
+            f"jaxlight: the train step has now been compiled for {n} batch shapes; a batch with a new number of "
+            f"rows (or other new shapes) compiles its own step once (kept in the compilation cache). If the "
+            f"loader's batch sizes keep changing, fix them (DataLoader(drop_last=True), "
+            f"Trainer(ragged_batches='drop') or padding in the loader)"
+        )
 
 
 def runs_at_boundaries_only(cb: Callback) -> bool:
@@ -61,8 +98,8 @@ def _where(plan: ExecutionPlan, miss: Miss) -> str:
     return f"{step}after batch {miss.count} of epoch {miss.epoch}{total}, inside an execution ({plan.describe()})"
 
 
-def plan_executions(loop: FitLoop, val_loaders: Sequence[Any]) -> MultiStepEpochs | None:
-    """The executions of this fit (None for ``steps_per_execution=1``), after the refusals.
+def plan_executions(loop: FitLoop, val_loaders: Sequence[Any]) -> Executions:
+    """The executions of this fit (of one step each for ``steps_per_execution=1``), after the refusals.
 
     Refused, with the numbers: a validation cadence, a checkpoint cadence
     (``every_n_train_steps``) or ``max_steps`` that falls inside an
@@ -73,13 +110,12 @@ def plan_executions(loop: FitLoop, val_loaders: Sequence[Any]) -> MultiStepEpoch
     """
     config, parts = loop.config, loop.parts
     n = config.steps_per_execution
-    if n == 1:
-        return None
     batches = loop.state.num_training_batches
-    if batches == 0:
-        return None  # nothing trains (limit_train_batches=0): the loop returns before any step
     epochs = math.inf if config.max_epochs == -1 else config.max_epochs
     plan = ExecutionPlan(n, batches, config.accumulate_grad_batches, epochs)
+    # every cadence ends an execution of one step; with no batch nothing trains (limit_train_batches=0)
+    if n == 1 or batches == 0:
+        return Executions(loop, plan)
     engine, hooks = parts.engine, parts.hooks
     assert engine.state_shardings is not None and engine.optimizer is not None
     arg = f"steps_per_execution={n}"
@@ -138,11 +174,20 @@ def plan_executions(loop: FitLoop, val_loaders: Sequence[Any]) -> MultiStepEpoch
             f"a ReduceLROnPlateau scheduler with interval='step' sets the learning rate between batches, inside "
             f"the executions of {arg}; use interval='epoch' or steps_per_execution=1"
         )
-    return MultiStepEpochs(loop, plan)
+    return Executions(loop, plan)
 
 
-class MultiStepEpochs:
-    """Runs a fit's epochs as executions of ``plan.n`` steps (what :meth:`FitLoop.run` does per batch)."""
+class Executions:
+    """Runs a fit's epochs as executions of ``plan.n`` steps: the one per-batch body of the fit loop.
+
+    A single step is an execution of one step (``steps_per_execution=1``, or an
+    epoch's lone ragged batch). Its ``on_train_batch_start`` hooks run before
+    it, as in Lightning, and may end the epoch by returning -1. An execution
+    of several steps runs first, then each batch's ``on_train_batch_start``
+    and ``on_train_batch_end`` in order (Keras's order with
+    ``steps_per_execution``). Validation and stopping are checked at an
+    execution's end.
+    """
 
     def __init__(self, loop: FitLoop, plan: ExecutionPlan) -> None:
         self.loop = loop
@@ -162,8 +207,11 @@ class MultiStepEpochs:
         Batches of one execution are stacked, so they must have one shape: a batch with other rows than the
         execution's first (a ragged batch, ``ragged_batches="keep"``) ends the execution before it and starts
         the next one. The executions still end where the plan says (and at the ragged batch besides)."""
-        got: list[Prefetched] = []
         n = self.plan.n
+        if n == 1:  # the common case, kept cheap: one batch per execution
+            item = next(items, None)
+            return [] if item is None else [item]
+        got: list[Prefetched] = []
         while True:
             if self._held is not None:
                 item, self._held = self._held, None
@@ -184,25 +232,36 @@ class MultiStepEpochs:
                 break
         return got
 
+    def _single(self, item: Prefetched, batch: Any, idx: Any, flush: Any) -> tuple[Any, Any]:
+        """The train step for one batch, compiled once per batch shape (a ragged batch: the step for its own
+        shape), and the batch to give it (placed when the step is compiled from it)."""
+        engine = self.loop.parts.engine
+        if self.plan.n == 1:  # the step of the loader's batch shape is at hand: no signature lookup per step
+            compiled = engine.compiled.get("train")
+            if compiled is not None and item.rows != engine.batch_rows.get("train"):
+                compiled = engine.train_step_for(batch)
+        else:  # compiled["train"] is the execution of N steps
+            compiled = engine.train_step_for(batch)
+        if compiled is None:
+            if "train" not in engine.compiled:
+                engine.batch_rows["train"] = item.rows
+            batch = item.placed()  # compiled for the placed batch's shardings
+            compiled = engine.compile_train(engine.train_state, batch, idx, flush)
+            self.loop.parts.reporter.store("train").register(engine.builder.log_specs.get("train", {}))
+            note_ragged_compiles(engine)
+        return compiled, batch
+
     def _program(self, group: list[Prefetched], batches: tuple, idxs: Any, flush: Any) -> Any:
-        """The compiled program for this execution: N steps, or fewer (the epoch's partial last execution,
-        the batches before a ragged one), compiled once per (steps, batch shapes); a lone batch runs as a
-        single train step (a ragged last batch: the step compiled for its shape, as with N = 1)."""
+        """The compiled program for an execution of several steps (N, or fewer: the epoch's partial last
+        execution, the batches before a ragged one), compiled once per (steps, batch shapes)."""
         engine, reporter = self.loop.parts.engine, self.loop.parts.reporter
-        size = len(group)
-        if size == 1:
-            compiled = engine.train_step_for(batches[0])
-        else:
-            compiled = engine.train_steps_for(batches)
+        compiled = engine.train_steps_for(batches)
         if compiled is not None:
             return compiled
         if "train" not in engine.compiled:
             engine.batch_rows["train"] = group[0].rows
         batches = tuple(it.placed() for it in group)  # compiled for the placed batches' shardings
-        if size == 1:
-            compiled = engine.compile_train(engine.train_state, batches[0], idxs[0], flush[0])
-        else:
-            compiled = engine.compile_train_steps(engine.train_state, batches, idxs, flush, full=size == self.plan.n)
+        compiled = engine.compile_train_steps(engine.train_state, batches, idxs, flush, full=len(group) == self.plan.n)
         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
         return compiled
 
@@ -246,34 +305,46 @@ class MultiStepEpochs:
             if not group:
                 break
             size = len(group)
-            # a batch left on the host (no per-batch hook reads it) goes to the program as it is: it transfers it
-            batches = tuple(it.host if it.batch is None else it.batch for it in group)
-            idxs = np.fromiter((it.index for it in group), np.int32, size)
-            flush = np.fromiter((last_known and it.index + 1 >= n_batches for it in group), np.bool_, size)
-            compiled = self._program(group, batches, idxs, flush)
-            if size == 1:  # a single step: its outputs and logs as one execution's
-                engine.train_state, out, log = compiled(engine.train_state, batches[0], idxs[0], flush[0])
-                outputs, logs = (out,), (log,)
-            else:
-                engine.train_state, outputs, logs = compiled(engine.train_state, batches, idxs, flush)
-            ahead.push(outputs[-1]["loss"])
             ran_val = False
-            for j, item in enumerate(group):
-                cbs = None if j == size - 1 else self.inside
+            if size == 1:  # one step: its start hooks run before it, as in Lightning
+                item = group[0]
+                # a batch left on the host (no per-batch hook reads it) goes to the step as it is: it transfers it
+                batch = item.host if item.batch is None else item.batch
                 state.batch_idx = item.index
                 if self.sync_start:
                     engine.sync_module()
-                started = hooks.call("on_train_batch_start", batches[j], item.index, callbacks=cbs)
-                if j < size - 1:
-                    self._refuse_edits("on_train_batch_start", item, group)
-                if started == -1:
-                    raise MisconfigurationError(
-                        f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {item.index}, but "
-                        f"with steps_per_execution={self.plan.n} batches {group[0].index}..{group[-1].index} had "
-                        f"already run in one execution; set trainer.should_stop = True (the run stops at the "
-                        f"execution's end) or use steps_per_execution=1"
-                    )
-                stepped = pos.advance(item.index, item.loader_state, k, bool(flush[j]))
+                if hooks.call("on_train_batch_start", batch, item.index) == -1:
+                    exhausted = False
+                    break
+                idx = step_index(item.index)
+                flush = _FLUSH if last_known and item.index + 1 >= n_batches else _NO_FLUSH
+                compiled, batch = self._single(item, batch, idx, flush)
+                engine.train_state, out, log = compiled(engine.train_state, batch, idx, flush)
+                outputs, logs, batches, flushes = (out,), (log,), (batch,), (flush,)
+            else:
+                batches = tuple(it.host if it.batch is None else it.batch for it in group)
+                idxs = np.fromiter((it.index for it in group), np.int32, size)
+                flushes = np.fromiter((last_known and it.index + 1 >= n_batches for it in group), np.bool_, size)
+                compiled = self._program(group, batches, idxs, flushes)
+                engine.train_state, outputs, logs = compiled(engine.train_state, batches, idxs, flushes)
+            ahead.push(outputs[-1]["loss"])
+            for j, item in enumerate(group):
+                cbs = None if j == size - 1 else self.inside
+                if size > 1:  # the execution has run: its batches' start hooks now, each before its end hook
+                    state.batch_idx = item.index
+                    if self.sync_start:
+                        engine.sync_module()
+                    started = hooks.call("on_train_batch_start", batches[j], item.index, callbacks=cbs)
+                    if j < size - 1:
+                        self._refuse_edits("on_train_batch_start", item, group)
+                    if started == -1:
+                        raise MisconfigurationError(
+                            f"on_train_batch_start returned -1 (skip the rest of the epoch) at batch {item.index}, "
+                            f"but with steps_per_execution={self.plan.n} batches {group[0].index}..{group[-1].index} "
+                            f"had already run in one execution; set trainer.should_stop = True (the run stops at "
+                            f"the execution's end) or use steps_per_execution=1"
+                        )
+                stepped = pos.advance(item.index, item.loader_state, k, bool(flushes[j]))
                 total_batches += 1
                 reporter.on_train_step(logs[j], outputs[j]["loss"])
                 if self.sync_end:
@@ -295,4 +366,4 @@ class MultiStepEpochs:
         return exhausted, ran_val, total_batches
 
 
-__all__ = ["MultiStepEpochs", "plan_executions", "runs_at_boundaries_only"]
+__all__ = ["Executions", "plan_executions", "runs_at_boundaries_only"]

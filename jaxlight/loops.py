@@ -34,7 +34,7 @@ from jaxlight.data import (
     tail_rows,
 )
 from jaxlight.errors import BatchError, MisconfigurationError
-from jaxlight.executions import MultiStepEpochs, plan_executions
+from jaxlight.executions import Executions, plan_executions
 from jaxlight.grain_data import adapt_loaders, set_loader_epoch
 from jaxlight.hooks import overrides, takes_argument
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
@@ -46,18 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.hooks import HookCaller
     from jaxlight.position import LoopPosition
     from jaxlight.reporting import MetricReporter
-
-_FLUSH, _NO_FLUSH = np.bool_(True), np.bool_(False)
-_INDEX_CACHE: list[np.ndarray] = []
-
-
-def step_index(i: int) -> np.ndarray:
-    """``batch_idx`` as the int32 scalar the compiled steps take, made once per index (not per step)."""
-    if i >= 1 << 16:  # bounded: an endless loader's indices are made on the fly
-        return np.int32(i)
-    while len(_INDEX_CACHE) <= i:
-        _INDEX_CACHE.append(np.int32(len(_INDEX_CACHE)))
-    return _INDEX_CACHE[i]
 
 
 class RunAhead:
@@ -269,22 +257,6 @@ def batch_placer(parts: LoopParts) -> BatchPlacer:
     return BatchPlacer(parts.engine.mesh, parts.config.process_local_batches, parts.engine.strategy)
 
 
-RAGGED_SHAPES_NOTE = 3  # a train step compiled for this many batch shapes says so once
-
-
-def note_ragged_compiles(engine: Engine) -> None:
-    """Say once when the train step has been compiled for :data:`RAGGED_SHAPES_NOTE` batch shapes: the usual
-    ragged last batch costs one extra compile, a loader whose batch sizes keep changing costs one each."""
-    n = len(engine.train_steps)
-    if n == RAGGED_SHAPES_NOTE:
-        rank_zero_info(
-            f"jaxlight: the train step has now been compiled for {n} batch shapes; a batch with a new number of "
-            f"rows (or other new shapes) compiles its own step once (kept in the compilation cache). If the "
-            f"loader's batch sizes keep changing, fix them (DataLoader(drop_last=True), "
-            f"Trainer(ragged_batches='drop') or padding in the loader)"
-        )
-
-
 def _take_rows(tree: Any, rows: int, valid: int, shares: int) -> Any:
     """The real rows of a padded batch (or of a step output with one row per batch row)."""
     share = rows // shares
@@ -466,7 +438,7 @@ class FitLoop:
         self.config = parts.config
         self.position = parts.position
         self.state = parts.state
-        self.executions: MultiStepEpochs | None = None  # steps_per_execution > 1 (jaxlight/executions.py)
+        self.executions: Executions | None = None  # set by fit (jaxlight/executions.py)
 
     # -- stopping and validation cadence ---------------------------------------------------
     def can_stop_early(self) -> bool:
@@ -575,10 +547,9 @@ class FitLoop:
                 f"epoch's first update (with a length, it steps at the epoch's end, as Lightning does)"
             )
         val_every = self.val_check_batch()
-        sync_start, sync_end = hooks.reads_module("on_train_batch_start"), hooks.reads_module("on_train_batch_end")
         hooks.call("on_train_start")
         total_batches = pos.micro_batches
-        log_every = config.log_every_n_steps
+        executions = self.executions or plan_executions(self, val_loaders)
         ahead = RunAhead()
         while not self.done() and (config.max_epochs == -1 or pos.epoch < config.max_epochs):
             start, n_batches = pos.start_epoch(), state.num_training_batches
@@ -591,51 +562,10 @@ class FitLoop:
             ran_val_at_end = False  # validation ran after the last batch this epoch processed
             exhausted = True
             try:
-                if self.executions is not None:  # N batches per compiled call, then their per-batch hooks
-                    exhausted, ran_val_at_end, total_batches = self.executions.run_epoch(
-                        fetcher, n_batches, total_batches, val_loaders, val_every, ahead
-                    )
-                for item in () if self.executions is not None else fetcher:
-                    ran_val_at_end = False
-                    batch, idx = item.batch, item.index
-                    if batch is None:  # left on the host (no hook reads it): the compiled step transfers it
-                        batch = item.host
-                    state.batch_idx = idx
-                    if sync_start:
-                        engine.sync_module()
-                    if hooks.call("on_train_batch_start", batch, idx) == -1:
-                        exhausted = False
-                        break
-                    is_last = n_batches != math.inf and idx + 1 >= n_batches
-                    # Lightning steps on a partial accumulation window at the epoch's last batch
-                    flush = _FLUSH if k > 1 and is_last else _NO_FLUSH
-                    compiled = engine.compiled.get("train")
-                    if compiled is not None and item.rows != engine.batch_rows.get("train"):
-                        compiled = engine.train_step_for(batch)  # a ragged batch: the step for its own shape
-                    if compiled is None:
-                        if "train" not in engine.compiled:
-                            engine.batch_rows["train"] = item.rows
-                        batch = item.placed()  # compiled for the placed batch's shardings
-                        compiled = engine.compile_train(engine.train_state, batch, step_index(idx), flush)
-                        reporter.store("train").register(engine.builder.log_specs.get("train", {}))
-                        note_ragged_compiles(engine)
-                    engine.train_state, outputs, logs = compiled(engine.train_state, batch, step_index(idx), flush)
-                    ahead.push(outputs["loss"])
-                    stepped = pos.advance(idx, item.loader_state, k, bool(flush))
-                    total_batches += 1
-                    reporter.on_train_step(logs, outputs["loss"])
-                    if sync_end:
-                        engine.sync_module()
-                    hooks.call("on_train_batch_end", outputs, batch, idx)
-                    # Lightning: logged when the update counter reaches the cadence, or when stopping
-                    if stepped and (pos.global_step % log_every == 0 or state.should_stop):
-                        reporter.publish_step()
-                    if self.should_validate(val_loaders, idx, total_batches, val_every):
-                        self.validate(val_loaders)
-                        ran_val_at_end = True
-                    if self.done():
-                        exhausted = idx + 1 >= n_batches
-                        break
+                # the one per-batch body: executions of steps_per_execution steps (one step when it is 1)
+                exhausted, ran_val_at_end, total_batches = executions.run_epoch(
+                    fetcher, n_batches, total_batches, val_loaders, val_every, ahead
+                )
             finally:
                 fetcher.close()  # the run-ahead bound spans epochs: one wait per step, RUN_AHEAD steps behind
             if exhausted and start == 0 and pos.batches_in_epoch == 0:  # no batch at all: never loop on
