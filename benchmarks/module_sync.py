@@ -1,7 +1,7 @@
 """What keeping the module's weights readable in per-batch hooks costs (issue 11, "module weights in hooks").
 
 The train step donates its state, so after a step the module's NNX attributes would point at deleted
-arrays. The loop re-points them (``Engine.sync_module``: ``nnx.update`` of the modules in place, no copy)
+arrays. The loop re-points them (``ModuleBinding.sync_module``: ``nnx.update`` of the modules in place, no copy)
 before a per-batch hook, but only when a user-written ``on_train_batch_start``/``on_train_batch_end`` runs
 (a callback or the module itself); jaxlight's own callbacks never read the module, so the default path
 pays nothing.
@@ -99,11 +99,11 @@ def sync_cost(module: jl.LightningModule, batches: list, calls: int) -> tuple[fl
     for _ in range(calls):
         engine.train_state = state._replace(step=state.step)  # a new state object, as after a step
         t = time.perf_counter()
-        engine.sync_module()
+        engine.binding.sync_module()
         fresh.append(time.perf_counter() - t)
     t = time.perf_counter()
     for _ in range(calls):
-        engine.sync_module()
+        engine.binding.sync_module()
     again = (time.perf_counter() - t) / calls
     leaves = len(state.params) + len(state.model_state)
     return statistics.median(fresh) * 1e6, again * 1e6, leaves

@@ -270,7 +270,7 @@ class Executions:
         execution have run already, so the write would silently skip them (with N = 1 the next step sees it)."""
         engine = self.loop.parts.engine
         st = engine.train_state
-        edits = engine.module_edits(st.params, st.model_state)
+        edits = engine.binding.module_edits(st.params, st.model_state)
         if not edits:
             return
         names = sorted(key for _, key in edits)
@@ -312,7 +312,7 @@ class Executions:
                 batch = item.host if item.batch is None else item.batch
                 state.batch_idx = item.index
                 if self.sync_start:
-                    engine.sync_module()
+                    engine.binding.sync_module()
                 if hooks.call("on_train_batch_start", batch, item.index) == -1:
                     exhausted = False
                     break
@@ -333,7 +333,7 @@ class Executions:
                 if size > 1:  # the execution has run: its batches' start hooks now, each before its end hook
                     state.batch_idx = item.index
                     if self.sync_start:
-                        engine.sync_module()
+                        engine.binding.sync_module()
                     started = hooks.call("on_train_batch_start", batches[j], item.index, callbacks=cbs)
                     if j < size - 1:
                         self._refuse_edits("on_train_batch_start", item, group)
@@ -348,7 +348,7 @@ class Executions:
                 total_batches += 1
                 reporter.on_train_step(logs[j], outputs[j]["loss"])
                 if self.sync_end:
-                    engine.sync_module()
+                    engine.binding.sync_module()
                 hooks.call("on_train_batch_end", outputs[j], batches[j], item.index, callbacks=cbs)
                 if j < size - 1:
                     self._refuse_edits("on_train_batch_end", item, group)

@@ -344,7 +344,9 @@ class HookCaller:
         if run_module or foreign:
             engine = getattr(trainer, "engine", None)
             if engine is not None:
-                engine.note_hook(hook)  # a hook that replaced held NNX state is named if the step must refuse it
+                engine.binding.note_hook(
+                    hook
+                )  # a hook that replaced held NNX state is named if the step must refuse it
         return result
 
     def call_on_exception(self, exception: BaseException) -> None:

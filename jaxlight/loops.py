@@ -305,7 +305,7 @@ class EvalLoop:
         if in_fit:
             assert engine.train_state is not None
             params, rest = engine.on_device(state.eval_params()), engine.train_state.model_state
-            engine.write_back(params, rest)  # hooks see the weights being evaluated (not donated arrays)
+            engine.binding.write_back(params, rest)  # hooks see the weights being evaluated (not donated arrays)
         elif engine.train_state is not None:
             engine.eval_state()  # the eval steps need a builder even when fit built none
             params, rest = engine.on_device(state.eval_params()), engine.train_state.model_state
@@ -582,13 +582,13 @@ class FitLoop:
             # epoch end: epoch-level train metrics first, so epoch-end hooks see them
             epoch_logged = reporter.epoch_values("train")
             reporter.stage = "train"
-            engine.sync_module()
+            engine.binding.sync_module()
             self.call_train_epoch_end()
             epoch_logged.update(reporter.epoch_values("train"))
             reporter.refresh_progress_bar()
             reporter.send(epoch_logged)
             pos.end_epoch()
-        engine.sync_module()
+        engine.binding.sync_module()
         hooks.call("on_train_end")
 
     def call_train_epoch_end(self) -> None:

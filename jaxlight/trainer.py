@@ -312,7 +312,7 @@ class Trainer(ConfigAttributes):
             datamodule.trainer = self
         self.hooks.attach(model)
         # late-bound: strategy="auto" replaces the engine during fit
-        sync = lambda: self.engine.sync_module()
+        sync = lambda: self.engine.binding.sync_module()
         with stage_run(STAGES[stage], self.hooks, self.reporter, self, self.datamodule, sync):
             yield
 
@@ -390,7 +390,7 @@ class Trainer(ConfigAttributes):
             if self.enable_model_summary and self.is_global_zero and not printed:
                 st, variables = self.train_state, self.engine.parts.params.variables
                 print(summarize(st.params, st.opt_state, self.mesh, variables=variables))
-            with self.engine.adopting_module_edits():  # Lightning users load weights in on_fit_start
+            with self.engine.binding.adopting_module_edits():  # Lightning users load weights in on_fit_start
                 self.call_hook("on_fit_start")
             FitLoop(self._loop_parts()).fit(train_loader, val_loaders)
             self.call_hook("on_fit_end")
@@ -451,7 +451,7 @@ class Trainer(ConfigAttributes):
                 self._restore(ckpt_path, stage=stage)
             if self.train_state is not None and self.lightning_module is model:
                 # the user may have edited the module since fit: evaluate what it holds now
-                params, rest = self.engine.read_module()
+                params, rest = self.engine.binding.read_module()
                 self.train_state = self.train_state._replace(params=params, model_state=rest)
             limits = [batch_limit(self.config, st, dl) for dl in loaders]
             # Lightning logs a standalone evaluation at the count of optimizer steps taken so far

@@ -242,8 +242,8 @@ class Frozen(jl.LightningModule):
 
 def test_a_parameter_set_in_an_epoch_end_hook_is_trained_from(monkeypatch):
     placed = []
-    original = jl.engine.Engine._placed
-    monkeypatch.setattr(jl.engine.Engine, "_placed", lambda self, *a: placed.append(a[1]) or original(self, *a))
+    original = jl.binding.ModuleBinding._placed
+    monkeypatch.setattr(jl.binding.ModuleBinding, "_placed", lambda self, *a: placed.append(a[1]) or original(self, *a))
     module = Frozen()
     trainer = jl.Trainer(max_epochs=EPOCHS, devices=1, **quiet())
     trainer.fit(module, TRAIN)

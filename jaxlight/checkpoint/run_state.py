@@ -138,7 +138,7 @@ def _groups(trainer: Trainer, weights_only: bool) -> tuple[dict[str, dict], dict
     state = trainer.train_state
     impls: dict[str, str] = {}
     if state is None:  # e.g. saved after validate() without fit: the module's own state
-        params, rest = trainer.engine.read_module()
+        params, rest = trainer.engine.binding.read_module()
         model = {"params": params, "rest": rest}
         train: dict[str, Any] = {}
     else:
@@ -170,7 +170,7 @@ def _targets(trainer: Trainer, with_train: bool) -> dict[str, dict]:
     """Abstract arrays (shape, dtype, *current* sharding) for what the trainer holds now."""
     state, shs = trainer.train_state, trainer.engine.state_shardings
     if state is None or shs is None:
-        params, rest = trainer.engine.read_module()
+        params, rest = trainer.engine.binding.read_module()
         out = {
             "model": {
                 "params": abstract_like(params, trainer.engine.param_shardings),
@@ -321,7 +321,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
     model_state = arrays["model"].get("rest", {})
     st = trainer.train_state
     if unsaved:  # kept as they are now
-        now = st.model_state if st is not None else trainer.engine.read_module()[1]
+        now = st.model_state if st is not None else trainer.engine.binding.read_module()[1]
         model_state = {**model_state, **{k: now[k] for k in unsaved}}
     if st is not None and fit:
         train = arrays["train"]
@@ -334,7 +334,7 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         )
     elif st is not None:
         trainer.train_state = st._replace(params=params, model_state=model_state)
-    trainer.engine.write_back(params, model_state)
+    trainer.engine.binding.write_back(params, model_state)
 
     module = trainer.lightning_module
     if fit:
