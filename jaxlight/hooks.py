@@ -344,9 +344,8 @@ class HookCaller:
         if run_module or foreign:
             engine = getattr(trainer, "engine", None)
             if engine is not None:
-                engine.binding.note_hook(
-                    hook
-                )  # a hook that replaced held NNX state is named if the step must refuse it
+                # a hook that replaced held NNX state is named if the step must refuse it
+                engine.binding.note_hook(hook)
         return result
 
     def call_on_exception(self, exception: BaseException) -> None:
