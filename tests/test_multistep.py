@@ -401,3 +401,32 @@ def test_held_nnx_state_and_epoch_hook_writes_match_single_steps_and_inner_write
     assert p1.keys() == p3.keys() and all(np.array_equal(p1[k], p3[k]) for k in p1)
     with pytest.raises(jl.MisconfigurationError, match=r"on_train_batch_end at batch 1 set module state \(seen\)"):
         run(3, Record())  # sets module.seen after the second batch of a 3-step execution
+
+
+class StepCounts(jl.Callback):
+    """Records the device step counter each per-batch hook sees (the state it runs against)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(("start", batch_idx, int(trainer.train_state.step)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(("end", batch_idx, int(trainer.train_state.step)))
+
+
+def test_one_body_runs_a_lone_batch_in_lightnings_order_and_executions_after_their_call():
+    """One per-batch body for every N: an execution of several steps runs its batches' hooks after the call
+    (each sees the state after the whole execution); a lone batch (9 batches with N = 4: the last one) is an
+    execution of one step, whose start hook runs before its step as with N = 1."""
+    runs = {}
+    for n in (1, N):
+        rec = StepCounts()
+        trainer = jl.Trainer(**quiet(steps_per_execution=n, max_epochs=1, callbacks=[rec]))
+        trainer.fit(Classifier(), data(9, nan_at=None))
+        runs[n] = rec.seen
+    assert runs[1] == [(w, i, i + (w == "end")) for i in range(9) for w in ("start", "end")]
+    after = {0: 4, 1: 4, 2: 4, 3: 4, 4: 8, 5: 8, 6: 8, 7: 8}
+    expected = [(w, i, after[i]) for i in range(8) for w in ("start", "end")]
+    assert runs[N] == [*expected, ("start", 8, 8), ("end", 8, 9)]
