@@ -52,9 +52,9 @@ from jaxlight.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.callbacks.callback import Callback
-    from jaxlight.data import Prefetched, Prefetcher
     from jaxlight.engine import Engine
     from jaxlight.loops import FitLoop, RunAhead
+    from jaxlight.prefetch import Prefetched, Prefetcher
 
 
 _FLUSH, _NO_FLUSH = np.bool_(True), np.bool_(False)

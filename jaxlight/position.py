@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from jaxlight.data import FRESH_EPOCH_KEY, GENERATOR_KEY
+from jaxlight.prefetch import FRESH_EPOCH_KEY, GENERATOR_KEY
 
 
 class LoopPosition:

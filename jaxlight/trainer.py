@@ -31,11 +31,11 @@ from jaxlight.callbacks.model_summary import ModelSummary
 from jaxlight.callbacks.progress import TQDMProgressBar
 from jaxlight.compile_cache import configure_compile_cache
 from jaxlight.config import ConfigAttributes, TrainerConfig, check_log_dirs
-from jaxlight.data import split_loaders
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
 from jaxlight.hooks import HookCaller, check_callbacks, overrides, with_default_callbacks, with_scheduler_stepper
+from jaxlight.loaders import split_loaders
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, LoopParts, batch_limit, loader_for, stage_run, train_batches
 from jaxlight.module import LightningModule

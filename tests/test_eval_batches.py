@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 import jaxlight as jl
-from jaxlight.data import BatchError, batch_mask, is_loader_collection
+from jaxlight.data import BatchError, batch_mask
+from jaxlight.loaders import is_loader_collection
 
 IN = 5
 

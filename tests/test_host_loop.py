@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import jaxlight as jl
-from jaxlight.data import BatchPlacer, Prefetcher, flat_host_batch, leaf_path, reads_inline
+from jaxlight.data import BatchPlacer, flat_host_batch, leaf_path
+from jaxlight.prefetch import Prefetcher, reads_inline
 from tests.core_models import Classifier, batches, make_data, quiet
 
 

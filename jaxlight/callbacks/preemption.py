@@ -157,7 +157,7 @@ class Preemption(Callback):
     # ------------------------------------------------------------------ the stop point
     def poll(self, waiting: bool = False) -> None:
         """Called by the loops before each batch is taken (``waiting=False``) and every
-        ``jaxlight.data.POLL_INTERVAL`` seconds while they wait for one (``waiting=True``): in a single
+        ``jaxlight.prefetch.POLL_INTERVAL`` seconds while they wait for one (``waiting=True``): in a single
         process a pending stop happens here (the state is the last completed step's); in a multi-process
         run only at the agreed step (see the class doc)."""
         if not waiting:
