@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
+from jaxlight.step_info import StepInfo
 
 
 class EarlyStopping(Callback):
@@ -74,11 +75,6 @@ class EarlyStopping(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, mode=self.mode)
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._check_on_train_epoch_end is None:
-            # validation more than once per epoch, or not every epoch: check after each validation instead
-            self._check_on_train_epoch_end = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "wait_count": self.wait_count,
@@ -93,18 +89,65 @@ class EarlyStopping(Callback):
         self.best_score = float(state_dict["best_score"])
         self.patience = int(state_dict.get("patience", self.patience))
 
-    def _should_skip_check(self, trainer: Any) -> bool:
-        return not trainer.training or trainer.sanity_checking or bool(trainer.fast_dev_run)
+    # -- the logic on a StepInfo (no Trainer)
+    def resolve_check_point(self, info: StepInfo) -> None:
+        """Unless ``check_on_train_epoch_end`` was given: check at the train epoch's end when validation runs
+        once per epoch (``info.val_check_interval == 1.0`` and ``info.check_val_every_n_epoch == 1``), else
+        after each validation."""
+        if self._check_on_train_epoch_end is None:
+            # validation more than once per epoch, or not every epoch: check after each validation instead
+            self._check_on_train_epoch_end = info.val_check_interval == 1.0 and info.check_val_every_n_epoch == 1
+
+    def _should_skip_check(self, info: StepInfo) -> bool:
+        # only while fit trains: not in the sanity check, a standalone validate or fast_dev_run
+        return info.stage != "train" or bool(info.fast_dev_run)
+
+    def at_train_epoch_end(self, info: StepInfo) -> bool:
+        """The check at a train epoch's end, when that is where this callback checks; True: stop."""
+        if not self._check_on_train_epoch_end or self._should_skip_check(info):
+            return False
+        return self.check(info)
+
+    def at_validation_end(self, info: StepInfo) -> bool:
+        """The check after a validation run inside ``fit``, when that is where this callback checks; True: stop."""
+        if self._check_on_train_epoch_end or self._should_skip_check(info):
+            return False
+        return self.check(info)
+
+    def check(self, info: StepInfo) -> bool:
+        """Judge ``info.metrics[monitor]`` (fetched here): update ``best_score`` / ``wait_count``, record
+        ``stopped_epoch = info.epoch`` on a stop, print the reason when ``verbose``; True: stop. A missing
+        metric raises (``strict``) or is skipped."""
+        logs = info.metrics
+        if not self._validate_condition_metric(logs):
+            return False
+        current = float(np.asarray(logs[self.monitor]).reshape(()))
+        should_stop, reason = self._evaluate_stopping_criteria(current)
+        if should_stop:
+            self.stopped_epoch = info.epoch
+        if reason and self.verbose:
+            if self.log_rank_zero_only:
+                rank_zero_info(reason)
+            else:  # Lightning prefixes every process's message with its rank
+                print(f"[rank: {info.global_rank}] {reason}", flush=True)
+        return should_stop
+
+    # -- Lightning hooks: build the StepInfo, apply what the logic decides
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.resolve_check_point(StepInfo.of_trainer(trainer))
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if not self._check_on_train_epoch_end or self._should_skip_check(trainer):
-            return
-        self._run_early_stopping_check(trainer)
+        if self.at_train_epoch_end(StepInfo.of_trainer(trainer)):
+            trainer.should_stop = True
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._check_on_train_epoch_end or self._should_skip_check(trainer):
-            return
-        self._run_early_stopping_check(trainer)
+        if self.at_validation_end(StepInfo.of_trainer(trainer)):
+            trainer.should_stop = True
+
+    def _run_early_stopping_check(self, trainer: Any) -> None:
+        # Lightning's name for one unconditional check, kept for code that calls it directly
+        if self.check(StepInfo.of_trainer(trainer)):
+            trainer.should_stop = True
 
     def _validate_condition_metric(self, logs: dict[str, Any]) -> bool:
         if logs.get(self.monitor) is None:
@@ -118,21 +161,6 @@ class EarlyStopping(Callback):
                 rank_zero_warn(msg)
             return False
         return True
-
-    def _run_early_stopping_check(self, trainer: Any) -> None:
-        logs = trainer.callback_metrics
-        if not self._validate_condition_metric(logs):
-            return
-        current = float(np.asarray(logs[self.monitor]).reshape(()))
-        should_stop, reason = self._evaluate_stopping_criteria(current)
-        trainer.should_stop = trainer.should_stop or should_stop
-        if should_stop:
-            self.stopped_epoch = trainer.current_epoch
-        if reason and self.verbose:
-            if self.log_rank_zero_only:
-                rank_zero_info(reason)
-            else:  # Lightning prefixes every process's message with its rank
-                print(f"[rank: {trainer.global_rank}] {reason}", flush=True)
 
     def _evaluate_stopping_criteria(self, current: float) -> tuple[bool, str | None]:
         should_stop, reason = False, None

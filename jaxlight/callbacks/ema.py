@@ -10,6 +10,34 @@ import jax.numpy as jnp
 from jaxlight.callbacks.callback import Callback
 from jaxlight.rank_zero import rank_zero_warn
 from jaxlight.step import StepExtension
+from jaxlight.step_info import StepInfo
+
+
+def ema_update(
+    ema: dict[str, jax.Array],
+    params: dict[str, jax.Array],
+    step: Any,
+    updated: Any,
+    decay: float,
+    warmup: bool,
+    every: int,
+) -> dict[str, jax.Array]:
+    """One EMA update of ``ema`` towards ``params``, at optimizer step ``step`` (after the update, so 1 for the
+    first), applied when ``updated`` and ``step`` is a multiple of ``every``; traceable (the train step runs it).
+
+    Arithmetic in float32 (float64 kept); each average keeps its dtype; a skipped update keeps the stored
+    value exactly, a non-finite one included.
+    """
+    do = updated & (step % every == 0)
+    d = jnp.where(do, ema_decay(decay, step, warmup), jnp.float32(1.0))
+
+    def one(e: jax.Array, p: jax.Array) -> jax.Array:
+        acc = jnp.promote_types(e.dtype, jnp.float32)
+        new = d.astype(acc) * e.astype(acc) + (1 - d.astype(acc)) * p.astype(acc)
+        # d == 1 keeps the stored value exactly (also a non-finite one)
+        return jnp.where(do, new.astype(e.dtype), e)
+
+    return {k: one(ema[k], params[k]) for k in ema}
 
 
 def ema_decay(decay: float, step: Any, warmup: bool) -> Any:
@@ -70,17 +98,7 @@ class EMA(Callback):
         decay, warmup, every = self.decay, self.warmup, self.every_n_steps
 
         def update(ema: dict[str, jax.Array], params: dict[str, jax.Array], info: dict[str, Any]) -> dict:
-            step = info["step"]
-            do = info["updated"] & (step % every == 0)
-            d = jnp.where(do, ema_decay(decay, step, warmup), jnp.float32(1.0))
-
-            def one(e: jax.Array, p: jax.Array) -> jax.Array:
-                acc = jnp.promote_types(e.dtype, jnp.float32)
-                new = d.astype(acc) * e.astype(acc) + (1 - d.astype(acc)) * p.astype(acc)
-                # d == 1 keeps the stored value exactly (also a non-finite one)
-                return jnp.where(do, new.astype(e.dtype), e)
-
-            return {k: one(ema[k], params[k]) for k in ema}
+            return ema_update(ema, params, info["step"], info["updated"], decay, warmup, every)
 
         return StepExtension(self.name, update)
 
@@ -90,18 +108,38 @@ class EMA(Callback):
         shardings = {k: v.sharding for k, v in params.items()}
         return jax.jit(lambda p: {k: jnp.copy(v) for k, v in p.items()}, out_shardings=shardings)(params)
 
-    # -- reading it
-    def ema_params(self, trainer: Any) -> dict[str, jax.Array]:
-        """The averaged parameters (flat ``{path: array}``, sharded like the parameters)."""
-        state = trainer.train_state
+    # -- the logic on a StepInfo (no Trainer)
+    def next_average(self, average: dict[str, jax.Array], info: StepInfo) -> dict[str, jax.Array]:
+        """``average`` after the optimizer update that produced ``info.state``, by the compiled step's own
+        arithmetic (:func:`ema_update`): towards ``info.state.params`` at the step count ``info.state.step``,
+        applied when ``info.stepped`` (the update happened)."""
+        state = info.state
+        if state is None:
+            raise RuntimeError("EMA.next_average needs a StepInfo with a train state (info.state is None)")
+        step, every = state.step, self.every_n_steps
+        return ema_update(average, state.params, step, info.stepped, self.decay, self.warmup, every)
+
+    def average(self, info: StepInfo) -> dict[str, jax.Array]:
+        """The averaged parameters in ``info.state`` (flat ``{path: array}``, sharded like the parameters)."""
+        state = info.state
         if state is None or self.name not in state.callback_state:
             raise RuntimeError("EMA has no average yet: it is created when fit() sets up training")
         return state.callback_state[self.name]
 
-    def eval_params(self, trainer: Any, params: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
-        if not self.use_for_validation or trainer.train_state is None:
+    def weights_to_evaluate(self, info: StepInfo) -> dict[str, jax.Array] | None:
+        """The average when validation should evaluate it (``use_for_validation`` and a state exists)."""
+        if not self.use_for_validation or info.state is None:
             return None
-        return trainer.train_state.callback_state.get(self.name)
+        return info.state.callback_state.get(self.name)
+
+    # -- Lightning-style adapters
+    def ema_params(self, trainer: Any) -> dict[str, jax.Array]:
+        """The averaged parameters (flat ``{path: array}``, sharded like the parameters), from a Trainer or a
+        :class:`~jaxlight.step_info.StepInfo`."""
+        return self.average(trainer if isinstance(trainer, StepInfo) else StepInfo.of_trainer(trainer))
+
+    def eval_params(self, trainer: Any, params: dict[str, jax.Array]) -> dict[str, jax.Array] | None:
+        return self.weights_to_evaluate(StepInfo.of_trainer(trainer))
 
     def state_dict(self) -> dict[str, Any]:
         # The average itself is device state in TrainState.callback_state; this is the configuration it was made with.

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.rank_zero import rank_zero_warn
+from jaxlight.step_info import StepInfo
 
 
 class NonFiniteError(FloatingPointError):
@@ -55,13 +56,19 @@ class NonFiniteGuard(Callback):
     def skip_nonfinite_updates(self) -> bool:  # type: ignore[override]
         return self.action == "skip"
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    # -- the logic on a StepInfo (no Trainer)
+    def start(self) -> None:
+        """A new training run: nothing pending."""
         self._pending.clear()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_step(self, info: StepInfo) -> None:
+        """Queue the train batch of ``info`` (``info.outputs["loss"]`` and ``"grad_norm"``, unsynced) and check
+        the batches older than the run-ahead window, which the trainer has already waited for; raises
+        :class:`NonFiniteError` (``action="stop"``) naming the first bad step."""
         # the optimizer update this batch contributes to (the position has already counted it)
-        step = trainer.global_step - 1 if trainer.position.last_stepped else trainer.global_step
-        self._pending.append((step, trainer.current_epoch, batch_idx, outputs["loss"], outputs.get("grad_norm")))
+        step = info.global_step - 1 if info.stepped else info.global_step
+        outputs = info.outputs
+        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], outputs.get("grad_norm")))
         # entries older than the run-ahead window belong to steps the trainer has already waited for
         from jaxlight.config import RUN_AHEAD
 
@@ -70,16 +77,24 @@ class NonFiniteGuard(Callback):
             ready.append(self._pending.popleft())
         self._check(ready)
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._flush()
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Check every batch still pending (at epoch and train end)."""
         ready = list(self._pending)
         self._pending.clear()
         self._check(ready)
+
+    # -- Lightning hooks: build the StepInfo and call the logic
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.on_step(StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx))
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.flush()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.flush()
 
     def _check(self, entries: list[tuple]) -> None:
         if not entries:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 from jaxlight.callbacks.callback import Callback
 from jaxlight.flops import matmul_flops
 from jaxlight.rank_zero import rank_zero_warn
+from jaxlight.step_info import StepInfo
 
 # Dense peak FLOP/s per device by device_kind substring: (bf16/fp16, fp32 matmul as XLA runs it by default).
 # Numbers are the vendors' published dense peaks (no sparsity).
@@ -120,34 +120,61 @@ class ThroughputMonitor(Callback):
         self._samples: collections.deque = collections.deque(maxlen=window + 1)
         self._items: collections.deque = collections.deque(maxlen=window + 1)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    # -- the logic on a StepInfo (no Trainer)
+    def start(self, info: StepInfo) -> None:
+        """A new training run: empty window, FLOPs counted again, the peak read from ``info.device`` and
+        ``info.precision`` unless given."""
         self._times.clear()
         self._samples.clear()
         self._items.clear()
         self.flops_per_step = None
-        self._peak = self.peak_flops or peak_flops(trainer.mesh.devices.flat[0], trainer.precision)
+        self._peak = self.peak_flops or peak_flops(info.device, info.precision)
         self._paused = 0.0
 
     # validation inside fit is not training time: it is taken out of the timestamps
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._val_start = time.perf_counter()
+    def pause(self, info: StepInfo) -> None:
+        """Validation starts at ``info.time``: time until :meth:`resume` is not counted."""
+        self._val_start = info.time
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    def resume(self, info: StepInfo) -> None:
+        """Validation ended at ``info.time``."""
         if self._val_start is not None:
-            self._paused += time.perf_counter() - self._val_start
+            self._paused += info.time - self._val_start
             self._val_start = None
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_step(self, info: StepInfo) -> dict[str, float] | None:
+        """Time and count the train batch of ``info`` (``info.time``, ``info.batch``); every
+        ``info.log_every_n_steps`` optimizer steps, the window's rates to log (also kept in ``self.metrics``),
+        else None. FLOPs and memory are read once, from ``info.compiled["train"]`` and ``info.state``."""
         # After the trainer's run-ahead wait: the host is at most RUN_AHEAD steps ahead of the device here.
-        self._times.append(time.perf_counter() - self._paused)
-        self._samples.append(self.batch_size_fn(batch))
-        self._items.append(self.length_fn(batch))
-        if self.flops_per_step is None and "train" in trainer.compiled:
-            self.flops_per_step = _flops(trainer.compiled["train"], trainer.mesh.size)
-            self.memory = _memory(trainer.compiled["train"], trainer.train_state, self.separator)
-        stepped = trainer.position.last_stepped
-        if stepped and trainer.global_step % trainer.log_every_n_steps == 0:
-            self._compute_and_log(trainer)
+        self._times.append(info.time - self._paused)
+        self._samples.append(self.batch_size_fn(info.batch))
+        self._items.append(self.length_fn(info.batch))
+        if self.flops_per_step is None and "train" in info.compiled:
+            self.flops_per_step = _flops(info.compiled["train"], info.num_devices)
+            self.memory = _memory(info.compiled["train"], info.state, self.separator)
+        if not (info.stepped and info.global_step % info.log_every_n_steps == 0):
+            return None
+        metrics = self.compute(info.num_devices)
+        if not metrics:
+            return None
+        self.metrics = metrics
+        return metrics
+
+    # -- Lightning hooks: build the StepInfo, apply what the logic returns
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.start(StepInfo.of_trainer(trainer))
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.pause(StepInfo.of_trainer(trainer))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.resume(StepInfo.of_trainer(trainer))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        metrics = self.on_step(StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx))
+        if metrics:
+            trainer.reporter.log_metrics(metrics)  # at the step that produced them (global_step - 1), process 0
 
     def compute(self, num_devices: int) -> dict[str, float]:
         """Rates over the current window (empty until two steps have been timed)."""
@@ -179,13 +206,6 @@ class ThroughputMonitor(Callback):
                 out[f"device{sep}mfu"] = dev / self._peak
         out.update(self.memory)
         return {f"train{sep}{k}": v for k, v in out.items()}
-
-    def _compute_and_log(self, trainer: Any) -> None:
-        metrics = self.compute(trainer.mesh.size)
-        if not metrics:
-            return
-        self.metrics = metrics
-        trainer.reporter.log_metrics(metrics)  # at the step that produced them (global_step - 1), process 0
 
 
 def _memory(compiled: Any, state: Any, sep: str) -> dict[str, float]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.rank_zero import rank_zero_info
+from jaxlight.step_info import StepInfo
 
 
 def parse_duration(duration: Any) -> timedelta:
@@ -51,12 +52,28 @@ class Timer(Callback):
             return self._offset
         return self._offset + time.monotonic() - self._start
 
-    def on_fit_start(self, trainer, pl_module) -> None:
-        # Time carries over from a restored checkpoint only, not from an earlier fit() call.
+    # -- the logic on a StepInfo (no Trainer)
+    def check(self, info: StepInfo) -> bool:
+        """Whether the time budget is spent (True: stop); says so once, unless ``info.should_stop`` already."""
+        if self.duration is not None and self.time_elapsed() >= self.duration.total_seconds():
+            if not info.should_stop and self.verbose:
+                rank_zero_info(f"Time limit reached ({self.duration}); signaling Trainer to stop.")
+            return True
+        return False
+
+    def fit_start(self, info: StepInfo) -> bool:
+        """A ``fit`` call starts: time carries over from a restored checkpoint only, not from an earlier
+        ``fit``; then :meth:`check` (a budget already spent, or zero, stops before the first batch, as
+        Lightning)."""
         if not self._restored:
             self._offset = 0.0
         self._restored = False
-        self._check(trainer)  # a budget already spent (or zero) stops before the first batch, as Lightning
+        return self.check(info)
+
+    # -- Lightning hooks: build the StepInfo, apply what the logic decides
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.fit_start(StepInfo.of_trainer(trainer)):
+            trainer.should_stop = True
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.monotonic()
@@ -66,19 +83,16 @@ class Timer(Callback):
             self._offset += time.monotonic() - self._start
             self._start = None
 
-    def _check(self, trainer) -> None:
-        if self.duration is not None and self.time_elapsed() >= self.duration.total_seconds():
-            if not trainer.should_stop and self.verbose:
-                rank_zero_info(f"Time limit reached ({self.duration}); signaling Trainer to stop.")
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # the interval is read first, so a per-epoch Timer builds no info per batch
+        if self.interval == "step" and self.check(
+            StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx)
+        ):
             trainer.should_stop = True
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.interval == "step":
-            self._check(trainer)
-
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if self.interval == "epoch":
-            self._check(trainer)
+        if self.interval == "epoch" and self.check(StepInfo.of_trainer(trainer)):
+            trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
         return {"time_elapsed": self.time_elapsed()}

@@ -1,0 +1,142 @@
+"""StepInfo: what a callback sees at a hook, as one value (position, step values, state, run settings).
+
+jaxlight's own host-side callbacks (``EMA``, ``ThroughputMonitor``,
+``NonFiniteGuard``, ``EarlyStopping``, ``Timer``) keep their logic in methods
+that take a :class:`StepInfo`; their Lightning hooks ``(trainer, pl_module,
+...)`` only build one with :meth:`StepInfo.of_trainer` and apply what the
+logic decides (set ``trainer.should_stop``, log metrics). So the logic runs,
+and is tested, from a stream of hand-made infos with no Trainer.
+
+Nothing here imports above layer 0: the Trainer and the train state are
+named only for type checkers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.step import TrainState
+    from jaxlight.trainer import Trainer
+
+__all__ = ["StepInfo"]
+
+_EMPTY: Mapping[str, Any] = types.MappingProxyType({})
+
+
+def _view(mapping: Any) -> Any:
+    # A read-only view of a dict (no copy: it shows the live mapping); anything else (None, a user's own
+    # outputs type) is passed as it is, so a hook that indexes it fails as it would without the info.
+    return types.MappingProxyType(mapping) if type(mapping) is dict else mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """One hook's view of the run: position, the step's values, the train state and the run's settings.
+
+    Guarantees: building one fetches nothing to the host and copies no array: ``outputs``, ``metrics``,
+    ``state`` and ``batch`` are the trainer's own device arrays, held by reference (reading a value,
+    ``float(x)``, waits for its step, as in any hook). It is only valid during the hook that built it: the
+    next train step donates the state's arrays. Every field has a default, so a test builds one by hand with
+    only the fields the callback under test reads.
+
+    Position:
+
+    - ``stage``: ``"train"`` while ``fit`` trains (validation inside ``fit`` included), ``"sanity_check"``
+      during fit's sanity check, ``"validate"`` / ``"test"`` / ``"predict"`` in those standalone runs,
+      ``""`` outside any of them (setup, ``on_fit_start``, after a run);
+    - ``epoch``: completed epochs (Lightning's ``current_epoch``);
+    - ``global_step``: optimizer updates applied so far, this batch's included when it stepped;
+    - ``batch_idx``: the batch's index in its epoch (batch hooks; 0 elsewhere);
+    - ``stepped``: this train batch completed an optimizer update (False for a micro-batch inside
+      gradient accumulation);
+    - ``should_stop``: whether a stop has already been requested (``trainer.should_stop``).
+
+    Values:
+
+    - ``batch``: the step's input batch as global device arrays (batch hooks; None elsewhere);
+    - ``outputs``: the step's outputs (``{"loss", ...}``, plus ``"grad_norm"`` when a callback asked for it;
+      None outside batch hooks);
+    - ``metrics``: the logged values callbacks read (``trainer.callback_metrics``), a read-only view;
+    - ``state``: the :class:`~jaxlight.step.TrainState` (``params``, ``model_state``, ``opt_state``,
+      ``callback_state``, ``step``), None before ``fit`` creates it; not to be modified;
+    - ``time``: ``time.perf_counter()`` when the info was built (the host clock the rates use);
+    - ``compiled``: the compiled step of each stage run so far (``{"train": ...}``), a read-only view.
+
+    Run settings (constant over a run):
+
+    - ``global_rank``: this process's index; ``num_devices``: devices in the mesh; ``device``: its first
+      device (its ``device_kind`` names the hardware); ``precision``: the precision's name (``"32-true"``);
+    - ``log_every_n_steps``, ``fast_dev_run`` (0: off), ``val_check_interval``, ``check_val_every_n_epoch``:
+      the Trainer's arguments of those names, resolved.
+    """
+
+    stage: str = ""
+    epoch: int = 0
+    global_step: int = 0
+    batch_idx: int = 0
+    stepped: bool = False
+    should_stop: bool = False
+    batch: Any = None
+    outputs: Mapping[str, Any] | None = None
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
+    state: TrainState | None = None
+    time: float = dataclasses.field(default_factory=perf_counter)
+    compiled: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
+    global_rank: int = 0
+    num_devices: int = 1
+    device: Any = None
+    precision: str = "32-true"
+    log_every_n_steps: int = 50
+    fast_dev_run: int = 0
+    val_check_interval: int | float = 1.0
+    check_val_every_n_epoch: int | None = 1
+
+    @classmethod
+    def of_trainer(
+        cls, trainer: Trainer, *, batch: Any = None, outputs: Any = None, batch_idx: int | None = None
+    ) -> StepInfo:
+        """The info a hook of ``trainer`` sees now; ``batch``, ``outputs`` and ``batch_idx`` are the hook's
+        own arguments (batch hooks).
+
+        The one place that reads the Trainer for a :class:`StepInfo`: attribute reads and references only,
+        no device sync and no copy (a few microseconds), so a callback builds one per hook call it acts on.
+        """
+        if trainer.sanity_checking:
+            stage = "sanity_check"
+        elif trainer.training:
+            stage = "train"
+        elif trainer.validating:
+            stage = "validate"
+        elif trainer.testing:
+            stage = "test"
+        elif trainer.predicting:
+            stage = "predict"
+        else:
+            stage = ""
+        position, config, mesh = trainer.position, trainer.config, trainer.mesh
+        return cls(
+            stage=stage,
+            epoch=position.epoch,
+            global_step=position.global_step,
+            batch_idx=trainer.batch_idx if batch_idx is None else batch_idx,
+            stepped=position.last_stepped,
+            should_stop=trainer.should_stop,
+            batch=batch,
+            outputs=_view(outputs),
+            metrics=_view(trainer.callback_metrics),
+            state=trainer.train_state,
+            compiled=_view(trainer.compiled),
+            global_rank=trainer.global_rank,
+            num_devices=mesh.size,
+            device=mesh.devices.flat[0],
+            precision=config.precision.name,
+            log_every_n_steps=config.log_every_n_steps,
+            fast_dev_run=config.fast_dev_run,
+            val_check_interval=config.val_check_interval,
+            check_val_every_n_epoch=config.check_val_every_n_epoch,
+        )
