@@ -26,13 +26,13 @@ from jax.sharding import PartitionSpec as P
 from jaxlight.compat import variable_value_setter
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
-from jaxlight.hooks import step_call
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.multistep import MultiStep
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig, configure, select_params
 from jaxlight.precision import Precision
 from jaxlight.rank_zero import rank_zero_info
+from jaxlight.signatures import step_call
 from jaxlight.stages import STAGES
 from jaxlight.state import (
     ModelParts,

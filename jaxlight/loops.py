@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from jaxlight.callbacks.preemption import stop_poll
 from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
 from jaxlight.config import TrainerConfig
 from jaxlight.data import (
@@ -36,7 +35,7 @@ from jaxlight.data import (
 from jaxlight.errors import BatchError, MisconfigurationError
 from jaxlight.executions import MultiStepEpochs, plan_executions
 from jaxlight.grain_data import adapt_loaders, set_loader_epoch
-from jaxlight.hooks import overrides, takes_argument
+from jaxlight.hooks import overrides, stop_poll, takes_argument
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 from jaxlight.workers import safe_workers
