@@ -65,9 +65,10 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
-def _runtime_imports(module: str, tree: ast.AST) -> list[tuple[int, str]]:
+def _runtime_imports(module: str, tree: ast.AST, names: bool = False) -> list[tuple[int, str]]:
     """(line, dotted name) of every import outside ``if TYPE_CHECKING:``; ``from a import b`` gives
-    ``a.b`` when that is a module of the package, else ``a``. Relative imports are resolved."""
+    ``a.b`` when that is a module of the package (or ``names`` is set), else ``a``. Relative imports are
+    resolved."""
     skip = _type_checking_nodes(tree)
     package = module if _is_package(module) else module.rpartition(".")[0]
     out = []
@@ -85,7 +86,7 @@ def _runtime_imports(module: str, tree: ast.AST) -> list[tuple[int, str]]:
                 target = node.module or ""
             for a in node.names:
                 full = f"{target}.{a.name}"
-                out.append((node.lineno, full if full in MODULES else target))
+                out.append((node.lineno, full if names or full in MODULES else target))
     return out
 
 
@@ -361,6 +362,42 @@ def test_imports_follow_the_layer_table():
         "TYPE_CHECKING ones do not): pass what a higher layer knows in as an argument, or move the piece down\n"
         + "\n".join("  " + u for u in up)
     )
+
+
+def concrete_callback_imports(layers: dict[str, int]) -> list[str]:
+    """Imports of a concrete callback (anything of ``jaxlight.callbacks`` but the ``Callback`` base) by a
+    module below the facade outside ``callbacks/``: loop code knows callbacks by their declared capabilities."""
+    facade = layers["jaxlight.trainer"]
+    base = ("jaxlight.callbacks.callback", "jaxlight.callbacks.Callback")
+    found = []
+    for module, path in MODULES.items():
+        if (
+            layers.get(module, facade) >= facade
+            or module == "jaxlight.callbacks"
+            or module.startswith("jaxlight.callbacks.")
+        ):
+            continue
+        for line, name in _runtime_imports(module, ast.parse(path.read_text(), str(path)), names=True):
+            if name.startswith("jaxlight.callbacks.") and not any(name == b or name.startswith(b + ".") for b in base):
+                found.append(f"{module}:{line} imports {name}")
+    return found
+
+
+def test_loop_code_knows_capabilities_not_callback_classes():
+    rows = layer_table(ARCHITECTURE.read_text())
+    layers, _ = layer_map(rows, MODULES)
+    found = concrete_callback_imports(layers)
+    assert not found, (
+        "below the facade only callbacks/ names a concrete callback: declare a capability on "
+        "jaxlight.callbacks.Callback and read it instead (the default callbacks are in default_callbacks.py):\n"
+        + "\n".join("  " + f for f in found)
+    )
+    # the check sees a function-level import of a concrete callback, by name from the package too
+    tree = ast.parse("def f():\n    from jaxlight.callbacks import Preemption, Callback\n")
+    assert [n for _, n in _runtime_imports("jaxlight.loops", tree, names=True)] == [
+        "jaxlight.callbacks.Preemption",
+        "jaxlight.callbacks.Callback",
+    ]
 
 
 def test_the_layer_check_sees_what_it_must():
