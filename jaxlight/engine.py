@@ -815,7 +815,7 @@ def _signature(batch: Any) -> tuple:
 def lightning_step_call(module: Any, method: str, dataloader_idx: int | None = None):
     """While tracing, let the steps call ``module.<method>(batch, batch_idx)`` whatever Lightning signature
     the user wrote: ``(batch)``, ``(batch, batch_idx)`` or ``(batch, batch_idx, dataloader_idx)``
-    (:func:`jaxlight.hooks.step_call`, which refuses any other with the signature in the message).
+    (:func:`jaxlight.signatures.step_call`, which refuses any other with the signature in the message).
     ``dataloader_idx`` (several loaders) is a static Python int: one compiled step per loader."""
     bound = getattr(module, method)
     call = step_call(bound, f"{type(module).__name__}.{method}", dataloader_idx)
