@@ -26,13 +26,13 @@ from jax.sharding import PartitionSpec as P
 from jaxlight.binding import ModuleBinding
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
-from jaxlight.hooks import step_call
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.multistep import MultiStep
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig, configure, select_params
 from jaxlight.precision import Precision
 from jaxlight.rank_zero import rank_zero_info
+from jaxlight.signatures import step_call
 from jaxlight.stages import STAGES
 from jaxlight.state import (
     ModelParts,
@@ -568,7 +568,7 @@ def _signature(batch: Any) -> tuple:
 def lightning_step_call(module: Any, method: str, dataloader_idx: int | None = None):
     """While tracing, let the steps call ``module.<method>(batch, batch_idx)`` whatever Lightning signature
     the user wrote: ``(batch)``, ``(batch, batch_idx)`` or ``(batch, batch_idx, dataloader_idx)``
-    (:func:`jaxlight.hooks.step_call`, which refuses any other with the signature in the message).
+    (:func:`jaxlight.signatures.step_call`, which refuses any other with the signature in the message).
     ``dataloader_idx`` (several loaders) is a static Python int: one compiled step per loader."""
     bound = getattr(module, method)
     call = step_call(bound, f"{type(module).__name__}.{method}", dataloader_idx)

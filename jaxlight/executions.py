@@ -44,8 +44,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxlight.callbacks.lr_monitor import LearningRateMonitor
-from jaxlight.callbacks.preemption import Preemption
 from jaxlight.errors import MisconfigurationError
 from jaxlight.multistep import ExecutionPlan, Miss
 from jaxlight.rank_zero import rank_zero_info
@@ -89,7 +87,7 @@ def note_ragged_compiles(engine: Engine) -> None:
 def runs_at_boundaries_only(cb: Callback) -> bool:
     """Callbacks whose per-batch hooks write or stop from the train state: called at an execution's last
     batch only, where the state is the one single steps would have there."""
-    return cb.is_checkpoint_callback or isinstance(cb, Preemption)
+    return cb.is_checkpoint_callback or cb.runs_at_execution_end
 
 
 def _where(plan: ExecutionPlan, miss: Miss) -> str:
@@ -161,12 +159,12 @@ def plan_executions(loop: FitLoop, val_loaders: Sequence[Any]) -> Executions:
                     f"every_n_train_steps so that every {every_n} optimizer steps (x accumulate_grad_batches="
                     f"{config.accumulate_grad_batches} batches) end an execution"
                 )
-        if isinstance(cb, LearningRateMonitor) and cb.logging_interval != "epoch":
+        reads = cb.reads_optimizer_state_per_step  # e.g. LearningRateMonitor logging by step
+        if reads is not None:
+            what, fix = reads
             raise MisconfigurationError(
-                f"LearningRateMonitor(logging_interval={cb.logging_interval!r}) reads the learning rate from the "
-                f"optimizer state before each logged step, but with {arg} the per-batch hooks run after the "
-                f"execution, when the state is {n} steps on; use LearningRateMonitor(logging_interval='epoch') or "
-                f"steps_per_execution=1"
+                f"{what}, but with {arg} the per-batch hooks run after the execution, when the state is {n} steps "
+                f"on; {fix} or steps_per_execution=1"
             )
     plateau = [c for c in engine.optimizer.schedulers if c.reduce_on_plateau and c.interval == "step"]
     if plateau:

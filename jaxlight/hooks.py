@@ -2,10 +2,14 @@
 
 :class:`HookCaller` is what the Trainer's ``call_hook`` runs: callbacks
 first, then the module, each inside the reporter's hook scope so host-side
-``self.log`` takes the hook's defaults. The questions "does ``obj`` implement
-hook X itself" (:func:`overrides`), "can ``fn`` take argument X"
-(:func:`takes_argument`) and "was ``fn`` written by the user"
-(:func:`user_code`) are answered here and nowhere else.
+``self.log`` takes the hook's defaults. "Was ``fn`` written by the user"
+(:func:`user_code`) and "may ``fn`` read argument X" (:func:`reads_argument`)
+are answered here; what a function accepts (:func:`overrides`,
+:func:`takes_argument`, :func:`step_call`) lives in :mod:`jaxlight.signatures`,
+below the engine, and is re-exported here. This module knows callbacks only
+through what :class:`~jaxlight.callbacks.Callback` declares; which callbacks a
+Trainer adds by default is the facade's business
+(:mod:`jaxlight.default_callbacks`).
 """
 
 from __future__ import annotations
@@ -17,15 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
-from jaxlight.callbacks.model_checkpoint import ModelCheckpoint
-from jaxlight.callbacks.preemption import Preemption
-from jaxlight.callbacks.progress import TQDMProgressBar
-from jaxlight.callbacks.timer import Timer
 from jaxlight.errors import MisconfigurationError
+from jaxlight.signatures import STEP_FORMS, names_parameter, overrides, parameters, step_call, takes_argument
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxlight.config import TrainerConfig
     from jaxlight.module import LightningModule
     from jaxlight.reporting import MetricReporter
     from jaxlight.trainer import Trainer
@@ -35,111 +34,6 @@ CALLBACK_HOOKS: tuple[str, ...] = tuple(n for n, f in vars(Callback).items() if 
 
 _PER_BATCH_TRAIN_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 _BATCH_ARG = {"on_train_batch_start": 0, "on_train_batch_end": 1}  # where ``batch`` is in the module hook's arguments
-
-
-def overrides(obj: Any, name: str) -> bool:
-    """Whether ``obj`` implements ``name`` itself rather than inheriting the default.
-
-    The default is the definition in the most basic class of ``obj``'s type
-    that defines ``name`` (``Callback``'s no-op for callbacks, ``ModelHooks``'
-    or ``LightningModule``'s for modules); an attribute set on the instance
-    (``model.validation_step = fn``, ``LambdaCallback``) counts as an
-    implementation. False when nothing defines ``name``.
-    """
-    if name in getattr(obj, "__dict__", {}):
-        return True
-    impl = getattr(type(obj), name, None)
-    if impl is None:
-        return False
-    root = next((c for c in reversed(type(obj).__mro__) if name in vars(c)), None)
-    return root is None or impl is not getattr(root, name)  # None: provided outside the class bodies
-
-
-def parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
-    """``fn``'s parameters (a bound method's without ``self``); None when Python cannot read its signature."""
-    try:
-        return list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-
-
-def takes_argument(fn: Callable[..., Any], name: str, position: int) -> bool | None:
-    """Whether ``fn`` accepts argument ``name`` passed as positional argument ``position`` (0-based).
-
-    True when a parameter is called ``name``, when ``fn`` takes ``*args``, or
-    when it has more than ``position`` positional parameters (Lightning passes
-    ``dataloader_idx`` positionally, whatever the parameter is called). None
-    when the signature cannot be read: the caller decides what unknown means.
-    """
-    ps = parameters(fn)
-    if ps is None:
-        return None
-    if any(p.name == name or p.kind is p.VAR_POSITIONAL for p in ps):
-        return True
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in ps) > position
-
-
-def names_parameter(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` has a parameter called ``name`` (so it can be passed by keyword)."""
-    return any(p.name == name for p in parameters(fn) or ())
-
-
-STEP_FORMS = "(self, batch), (self, batch, batch_idx) or (self, batch, batch_idx, dataloader_idx)"
-
-
-def step_call(
-    fn: Callable[..., Any], where: str, dataloader_idx: int | None = None
-) -> Callable[[Any, Any], Any] | None:
-    """How to call a step method ``fn`` (bound) with ``(batch, batch_idx)`` as Lightning would call it.
-
-    Lightning passes ``batch_idx`` when the method takes it (a parameter of that name, ``*args``, or a
-    second positional parameter) and ``dataloader_idx`` with several loaders when it takes that (by name
-    as a keyword, else third positionally); a required third positional parameter gets ``0`` with one
-    loader. Returns None when ``fn(batch, batch_idx)`` is already right, else the adapter. Any other
-    signature (no parameter for the batch, more required parameters, a required keyword-only one) raises
-    a :class:`MisconfigurationError` naming ``where`` and the signature. An unreadable signature (a
-    builtin) is called with ``(batch, batch_idx)``.
-    """
-    ps = parameters(fn)
-    if ps is None:
-        return None
-    positional = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    varargs = any(p.kind is p.VAR_POSITIONAL for p in ps)
-    required = [p for p in positional if p.default is p.empty]
-    kw_required = [p.name for p in ps if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-    sig = f"{where}{inspect.signature(fn)}"
-    if not positional and not varargs:
-        raise MisconfigurationError(f"{sig} takes no batch; write it as {STEP_FORMS}")
-    if any(p.name == "optimizer_idx" for p in ps):
-        raise MisconfigurationError(
-            f"{sig} takes optimizer_idx, which Lightning 2 no longer passes: with several optimizers use manual "
-            f"optimization (self.automatic_optimization = False, then self.optimizers() in the step)"
-        )
-    if kw_required and kw_required != ["dataloader_idx"]:
-        raise MisconfigurationError(
-            f"{sig} has required keyword-only parameters {kw_required} that Lightning never passes; write it as "
-            f"{STEP_FORMS}"
-        )
-    if len(required) > 3:
-        raise MisconfigurationError(
-            f"{sig} requires {len(required)} arguments but a step gets at most 3 (batch, batch_idx, "
-            f"dataloader_idx); write it as {STEP_FORMS}, or give the others defaults"
-        )
-    with_idx = varargs or len(positional) >= 2 or any(p.name == "batch_idx" for p in positional)
-    if dataloader_idx is None and (len(required) == 3 or kw_required):
-        dataloader_idx = 0  # one loader: Lightning's default index for a step that requires one
-    by_name = any(p.name == "dataloader_idx" and p.kind is not p.POSITIONAL_ONLY for p in ps)
-    takes_dl = varargs or len(positional) >= 3 or by_name
-    if dataloader_idx is None or not takes_dl:
-        if with_idx:
-            return None
-        return lambda batch, batch_idx: fn(batch)
-    if by_name:
-        if with_idx:
-            return lambda batch, batch_idx: fn(batch, batch_idx, dataloader_idx=dataloader_idx)
-        return lambda batch, batch_idx: fn(batch, dataloader_idx=dataloader_idx)
-    # Lightning passes it as the third positional argument, whatever its name
-    return lambda batch, batch_idx: fn(batch, batch_idx, dataloader_idx)
 
 
 _FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "getframeinfo", "stack"})
@@ -202,37 +96,16 @@ def check_callbacks(callbacks: Callback | Sequence[Callback] | None) -> list[Cal
     return cbs
 
 
-def with_default_callbacks(cbs: list[Callback], config: TrainerConfig) -> list[Callback]:
-    """The user's callbacks plus those the arguments ask for (progress bar, ``max_time``'s Timer,
-    checkpointing, preemption handling), checkpoint callbacks last."""
-    if config.enable_progress_bar is not False and not any(isinstance(c, TQDMProgressBar) for c in cbs):
-        cbs = [*cbs, TQDMProgressBar()]
-    if config.enable_progress_bar is False:
-        cbs = [c for c in cbs if not isinstance(c, TQDMProgressBar)]
-    if config.max_time is not None:
-        cbs = [c for c in cbs if not isinstance(c, Timer)] + [Timer(config.max_time, interval="step")]
-    if config.enable_checkpointing and not any(c.is_checkpoint_callback for c in cbs):
-        cbs = [*cbs, ModelCheckpoint()]
-    if not config.fast_dev_run and not any(isinstance(c, Preemption) for c in cbs):
-        cbs = [*cbs, Preemption()]
-    return checkpoint_callbacks_last(cbs)
-
-
-def with_scheduler_stepper(cbs: list[Callback], host_stepped: bool) -> list[Callback] | None:
-    """The callbacks with one :class:`LRSchedulerStepper` first when the optimizer has host-stepped
-    schedules (plateau, epoch interval), so LearningRateMonitor reads the rates it sets, and none
-    otherwise; None when that is the list as it is."""
-    others = [c for c in cbs if not isinstance(c, LRSchedulerStepper)]
-    stepper = [LRSchedulerStepper()] if host_stepped else []
-    if not stepper and len(others) == len(cbs):
-        return None
-    return checkpoint_callbacks_last(stepper + others)
-
-
 def checkpoint_callbacks_last(cbs: Sequence[Callback]) -> list[Callback]:
     """Lightning runs checkpoint callbacks after all others at every hook, so a checkpoint holds the
     other callbacks' state as updated by the same hook (e.g. EarlyStopping's wait count)."""
     return [c for c in cbs if not c.is_checkpoint_callback] + [c for c in cbs if c.is_checkpoint_callback]
+
+
+def stop_poll(callbacks: Sequence[Callback]) -> Callable[[bool], None] | None:
+    """The :attr:`~jaxlight.callbacks.Callback.stop_poll` of the first callback among ``callbacks`` that
+    declares one (what the loops hand their prefetchers: Preemption's), or None."""
+    return next((c.stop_poll for c in callbacks if c.stop_poll is not None), None)
 
 
 class HookCaller:
@@ -372,15 +245,16 @@ class HookCaller:
 
 __all__ = [
     "CALLBACK_HOOKS",
+    "STEP_FORMS",
     "HookCaller",
     "check_callbacks",
     "checkpoint_callbacks_last",
     "names_parameter",
     "overrides",
     "parameters",
+    "reads_argument",
     "step_call",
+    "stop_poll",
     "takes_argument",
     "user_code",
-    "with_default_callbacks",
-    "with_scheduler_stepper",
 ]

@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from jaxlight.callbacks.preemption import stop_poll
 from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
 from jaxlight.config import TrainerConfig
 from jaxlight.data import BatchPlacer
 from jaxlight.errors import BatchError, MisconfigurationError
 from jaxlight.executions import Executions, plan_executions
 from jaxlight.grain_data import adapt_loaders, set_loader_epoch
-from jaxlight.hooks import overrides, takes_argument
+from jaxlight.hooks import overrides, stop_poll, takes_argument
 from jaxlight.loaders import is_loader_collection, num_batches, split_loaders, tail_rows
 from jaxlight.prefetch import Prefetcher, compiled_signature
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn

@@ -26,15 +26,14 @@ from typing import Any
 import jax
 
 from jaxlight import checkpoint
-from jaxlight.callbacks.callback import Callback
-from jaxlight.callbacks.model_summary import ModelSummary
-from jaxlight.callbacks.progress import TQDMProgressBar
+from jaxlight.callbacks import Callback, ModelSummary, TQDMProgressBar
 from jaxlight.compile_cache import configure_compile_cache
 from jaxlight.config import ConfigAttributes, TrainerConfig, check_log_dirs
 from jaxlight.datamodule import LightningDataModule
+from jaxlight.default_callbacks import with_default_callbacks, with_scheduler_stepper
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
-from jaxlight.hooks import HookCaller, check_callbacks, overrides, with_default_callbacks, with_scheduler_stepper
+from jaxlight.hooks import HookCaller, check_callbacks, overrides
 from jaxlight.loaders import split_loaders
 from jaxlight.loggers.logger import Logger, LoggerCollection
 from jaxlight.loops import EvalLoop, FitLoop, LoopParts, batch_limit, loader_for, stage_run, train_batches

@@ -1,5 +1,8 @@
 """The package's shape, checked from its source (docs/ARCHITECTURE.md).
 
+- Layers: every import of a jaxlight module goes to the importer's layer or one below it, by the layer
+  table of ``docs/ARCHITECTURE.md``, which this file parses (the table's only copy). Every module is in
+  the table and every entry of it names a module that exists.
 - No runtime import cycle inside ``jaxlight/``: every ``import`` counts, at module level or inside a
   function; only the body of ``if TYPE_CHECKING:`` does not. Importing ``a.b.c`` from outside the package
   ``a.b`` also runs ``a/b/__init__.py``, so it counts as an import of that package too.
@@ -16,10 +19,12 @@ Nothing is imported: the modules are parsed with ``ast``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxlight"
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 COMPAT = "jaxlight.compat"
 
 PRIVATE_LIBS = ("jax", "jaxlib", "optax", "orbax", "flax")
@@ -60,9 +65,10 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
-def _runtime_imports(module: str, tree: ast.AST) -> list[tuple[int, str]]:
+def _runtime_imports(module: str, tree: ast.AST, names: bool = False) -> list[tuple[int, str]]:
     """(line, dotted name) of every import outside ``if TYPE_CHECKING:``; ``from a import b`` gives
-    ``a.b`` when that is a module of the package, else ``a``. Relative imports are resolved."""
+    ``a.b`` when that is a module of the package (or ``names`` is set), else ``a``. Relative imports are
+    resolved."""
     skip = _type_checking_nodes(tree)
     package = module if _is_package(module) else module.rpartition(".")[0]
     out = []
@@ -80,7 +86,7 @@ def _runtime_imports(module: str, tree: ast.AST) -> list[tuple[int, str]]:
                 target = node.module or ""
             for a in node.names:
                 full = f"{target}.{a.name}"
-                out.append((node.lineno, full if full in MODULES else target))
+                out.append((node.lineno, full if names or full in MODULES else target))
     return out
 
 
@@ -180,6 +186,70 @@ def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
     return " -> ".join([*steps, cycle[-1]])
 
 
+# ---------------------------------------------------------------------------- layers
+def layer_table(text: str) -> list[tuple[str, list[str]]]:
+    """``(layer, entries)`` per row of the table under ``## Layers`` in ``text``, bottom up: the backquoted
+    paths of its modules column (``errors``, ``callbacks/callback.py``, ``strategies/``)."""
+    section = text.split("\n## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not re.match(r"\d+\.", cells[0]):
+            continue  # prose, the header, the |---| line
+        rows.append((cells[0], re.findall(r"`([^`]+)`", cells[1])))
+    return rows
+
+
+def _entry_module(entry: str) -> str:
+    """The dotted name an entry of the table names: ``callbacks/`` -> ``jaxlight.callbacks``."""
+    if entry == "__init__.py":
+        return "jaxlight"
+    path = entry.rstrip("/").removesuffix(".py").replace("/", ".")
+    return f"jaxlight.{path}"
+
+
+def layer_map(rows: list[tuple[str, list[str]]], modules: dict[str, Path]) -> tuple[dict[str, int], list[str]]:
+    """``({module: layer index}, problems)``: each module takes the layer of the most specific entry that
+    covers it (``x/`` covers the package ``x`` and everything in it; ``x`` and ``x.py`` only that module).
+    Problems: an entry naming no module, an entry listed twice, a module no entry covers."""
+    problems = []
+    exact: dict[str, int] = {}
+    packages: dict[str, int] = {}
+    for i, (name, entries) in enumerate(rows):
+        for entry in entries:
+            target = _entry_module(entry)
+            table = packages if entry.endswith("/") else exact
+            if target not in modules or (entry.endswith("/") and modules[target].name != "__init__.py"):
+                problems.append(
+                    f"layer {name!r} lists `{entry}`, which is no {'package' if table is packages else 'module'} of jaxlight/"
+                )
+            elif target in table:
+                problems.append(f"`{entry}` is listed twice (layers {rows[table[target]][0]!r} and {name!r})")
+            else:
+                table[target] = i
+    out = {}
+    for module in modules:
+        if module in exact:
+            out[module] = exact[module]
+            continue
+        owners = [p for p in packages if module == p or module.startswith(p + ".")]
+        if owners:
+            out[module] = packages[max(owners, key=len)]
+        else:
+            problems.append(f"{module} is in no layer of the table: add it to docs/ARCHITECTURE.md")
+    return out, problems
+
+
+def upward_imports(graph: dict[str, dict[str, int]], layers: dict[str, int], names: list[str]) -> list[str]:
+    """``"a (layer) imports b (layer) at line n"`` for every import in ``graph`` that goes up a layer."""
+    return [
+        f"{m} ({names[layers[m]]}) imports {t} ({names[layers[t]]}) at line {line}"
+        for m, targets in sorted(graph.items())
+        for t, line in targets.items()
+        if m in layers and t in layers and layers[t] > layers[m]
+    ]
+
+
 # ---------------------------------------------------------------------------- private APIs
 def _private_part(dotted: str) -> bool:
     parts = dotted.split(".")
@@ -277,6 +347,97 @@ def test_the_cycle_check_sees_what_it_must():
     assert find_cycles(graph) == [["a", "b", "c", "a"]]
     # importing jaxlight.strategies.pipeline from nn/ runs jaxlight/strategies/__init__.py too
     assert {"jaxlight.strategies.pipeline", "jaxlight.strategies"} <= set(import_graph()["jaxlight.nn.layer_stack"])
+
+
+def test_imports_follow_the_layer_table():
+    rows = layer_table(ARCHITECTURE.read_text())
+    assert len(rows) >= 5, f"docs/ARCHITECTURE.md: found {len(rows)} rows in the Layers table, expected the layers"
+    layers, problems = layer_map(rows, MODULES)
+    assert not problems, "the Layers table of docs/ARCHITECTURE.md does not match jaxlight/:\n" + "\n".join(
+        "  " + p for p in problems
+    )
+    up = upward_imports(import_graph(), layers, [name for name, _ in rows])
+    assert not up, (
+        f"{len(up)} imports go up a layer (docs/ARCHITECTURE.md, Layers; imports inside functions count, "
+        "TYPE_CHECKING ones do not): pass what a higher layer knows in as an argument, or move the piece down\n"
+        + "\n".join("  " + u for u in up)
+    )
+
+
+def concrete_callback_imports(layers: dict[str, int]) -> list[str]:
+    """Imports of a concrete callback (anything of ``jaxlight.callbacks`` but the ``Callback`` base) by a
+    module below the facade outside ``callbacks/``: loop code knows callbacks by their declared capabilities."""
+    facade = layers["jaxlight.trainer"]
+    base = ("jaxlight.callbacks.callback", "jaxlight.callbacks.Callback")
+    found = []
+    for module, path in MODULES.items():
+        if (
+            layers.get(module, facade) >= facade
+            or module == "jaxlight.callbacks"
+            or module.startswith("jaxlight.callbacks.")
+        ):
+            continue
+        for line, name in _runtime_imports(module, ast.parse(path.read_text(), str(path)), names=True):
+            if name.startswith("jaxlight.callbacks.") and not any(name == b or name.startswith(b + ".") for b in base):
+                found.append(f"{module}:{line} imports {name}")
+    return found
+
+
+def test_loop_code_knows_capabilities_not_callback_classes():
+    rows = layer_table(ARCHITECTURE.read_text())
+    layers, _ = layer_map(rows, MODULES)
+    found = concrete_callback_imports(layers)
+    assert not found, (
+        "below the facade only callbacks/ names a concrete callback: declare a capability on "
+        "jaxlight.callbacks.Callback and read it instead (the default callbacks are in default_callbacks.py):\n"
+        + "\n".join("  " + f for f in found)
+    )
+    # the check sees a function-level import of a concrete callback, by name from the package too
+    tree = ast.parse("def f():\n    from jaxlight.callbacks import Preemption, Callback\n")
+    assert [n for _, n in _runtime_imports("jaxlight.loops", tree, names=True)] == [
+        "jaxlight.callbacks.Preemption",
+        "jaxlight.callbacks.Callback",
+    ]
+
+
+def test_the_layer_check_sees_what_it_must():
+    doc = (
+        "# x\n## Layers\n\nprose with `data` in backquotes\n\n| layer | modules | what |\n|---|---|---|\n"
+        "| 0. low | `errors`, `callbacks/callback.py` | the `Callback` base |\n"
+        "| 1. high | `callbacks/`, `engine`, `nowhere.py`, `errors` | x |\n\n## Modules\n| `trainer` | y |\n"
+    )
+    rows = layer_table(doc)
+    assert rows == [
+        ("0. low", ["errors", "callbacks/callback.py"]),
+        ("1. high", ["callbacks/", "engine", "nowhere.py", "errors"]),
+    ]
+    modules = {
+        m: MODULES[m]
+        for m in (
+            "jaxlight.errors",
+            "jaxlight.callbacks",
+            "jaxlight.callbacks.callback",
+            "jaxlight.callbacks.timer",
+            "jaxlight.engine",
+            "jaxlight.hooks",
+        )
+    }
+    layers, problems = layer_map(rows, modules)
+    # the file entry wins over its package's; the package covers its __init__ and its other modules
+    assert layers == {
+        "jaxlight.errors": 0,
+        "jaxlight.callbacks": 1,
+        "jaxlight.callbacks.callback": 0,
+        "jaxlight.callbacks.timer": 1,
+        "jaxlight.engine": 1,
+    }
+    assert len(problems) == 3 and "`nowhere.py`" in problems[0] and "twice" in problems[1], problems
+    assert problems[2].startswith("jaxlight.hooks is in no layer"), problems
+    # importing the base from below its package's layer runs callbacks/__init__.py: that counts as going up
+    graph = {"jaxlight.callbacks.callback": {"jaxlight.callbacks": 3}, "jaxlight.engine": {"jaxlight.errors": 1}}
+    assert upward_imports(graph, layers, ["0. low", "1. high"]) == [
+        "jaxlight.callbacks.callback (0. low) imports jaxlight.callbacks (1. high) at line 3"
+    ]
 
 
 def test_no_private_api_outside_compat():

@@ -54,7 +54,20 @@ class Callback:
       checkpoint commits) is done; the trainer calls it after fit and before a
       preemption exit;
     - :meth:`check_state_dict`: refuse a saved state that :meth:`load_state_dict`
-      could not take, before a resume loads anything.
+      could not take, before a resume loads anything;
+    - ``runs_at_execution_end``: with ``steps_per_execution=N`` its per-batch
+      train hooks run at an execution's last batch only, where the train state
+      is the one single steps would have there (Preemption; checkpoint
+      callbacks always do);
+    - :attr:`reads_optimizer_state_per_step`: its per-batch hooks read the
+      optimizer state as it is before each step, which ``steps_per_execution``
+      refuses (LearningRateMonitor logging by step);
+    - ``stop_poll``: None, or a method the loops call before each batch is
+      taken and while they wait for one, which may end the run there
+      (Preemption's ``poll``).
+
+    The loops ask these, never a callback's type, so a user's callback can
+    declare any of them.
     """
 
     needs_grad_norm: bool = False
@@ -72,6 +85,14 @@ class Callback:
     # any array of the checkpoint is read: BaseFinetuning re-adds the parameter groups it had added, so the
     # saved optimizer state of those groups has a place to go.
     prepare_resume: Callable[[Trainer, LightningModule, Any], None] | None = None
+    # Its per-batch train hooks write or stop from the train state, so with steps_per_execution=N they run at an
+    # execution's last batch only (the state inside an execution is not there to see). Checkpoint callbacks always do.
+    runs_at_execution_end: bool = False
+    # None, or a method ``stop_poll(waiting: bool)``: called by the loops before each batch is taken
+    # (waiting=False) and every jaxlight.data.POLL_INTERVAL seconds while they wait for one (waiting=True), at
+    # points where the state is a completed step's; it may end the run there by raising. The first callback
+    # declaring one is polled.
+    stop_poll: Callable[[bool], None] | None = None
 
     @property
     def state_key(self) -> str:
@@ -176,6 +197,14 @@ class Callback:
 
     def eval_params(self, trainer: Trainer, params: dict[str, Any]) -> dict[str, Any] | None:
         """Parameters validation/test/predict should use instead of ``params`` (None: use ``params``)."""
+        return None
+
+    @property
+    def reads_optimizer_state_per_step(self) -> tuple[str, str] | None:
+        """None, or ``(what, fix)`` when this callback's per-batch hooks read the optimizer state as it is before
+        each step, which ``steps_per_execution=N`` cannot give (the hooks run after the execution): ``what``
+        names the callback and what it reads (the start of the refusal), ``fix`` the change that avoids it.
+        A property, not a hook: the hook table never calls it."""
         return None
 
     def wait_until_finished(self) -> None:

@@ -146,6 +146,17 @@ class LearningRateMonitor(Callback):
         self._infos: list[Any] = []  # jaxlight.optim.TransformInfo per optimizer, read at train start
         self._config: Any = None  # the optimizer config planned for; BaseFinetuning replaces it when adding groups
 
+    @property
+    def reads_optimizer_state_per_step(self) -> tuple[str, str] | None:
+        # by step it reads the learning rate before each logged step: steps_per_execution refuses that
+        if self.logging_interval == "epoch":
+            return None
+        return (
+            f"LearningRateMonitor(logging_interval={self.logging_interval!r}) reads the learning rate from the "
+            "optimizer state before each logged step",
+            "use LearningRateMonitor(logging_interval='epoch')",
+        )
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.loggers and not trainer.fast_dev_run:
             raise MisconfigurationError("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.")

@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -72,6 +72,9 @@ class Preemption(Callback):
     ``fit`` only (from the main thread) and the previous handlers are put back
     afterwards.
     """
+
+    # with steps_per_execution its per-batch hooks run at execution ends only (it stops from the train state)
+    runs_at_execution_end = True
 
     def __init__(
         self,
@@ -167,6 +170,11 @@ class Preemption(Callback):
         if jax.process_count() == 1:
             self._stop(self._trainer)
 
+    @property
+    def stop_poll(self) -> Callable[[bool], None]:
+        """What the loops poll between batches: :meth:`poll` (a subclass's, when it overrides it)."""
+        return self.poll
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._progress_at = time.monotonic()
         if jax.process_count() == 1:
@@ -256,12 +264,6 @@ def default_signals() -> tuple[int, ...]:
     """SIGTERM and SIGINT; in a Jupyter/IPython kernel SIGTERM only, so interrupting a cell keeps raising
     ``KeyboardInterrupt`` there (and a second interrupt never ends the kernel)."""
     return (signal.SIGTERM,) if "ipykernel" in sys.modules else (signal.SIGTERM, signal.SIGINT)
-
-
-def stop_poll(callbacks: Sequence[Callback]) -> Any:
-    """The :meth:`Preemption.poll` of the first Preemption callback among ``callbacks`` (what the loops hand
-    their prefetchers), or None."""
-    return next((c.poll for c in callbacks if isinstance(c, Preemption)), None)
 
 
 def _exit_at_once(signum: int) -> None:
