@@ -49,7 +49,6 @@ from jaxlight.optim.schedules import (
     hyperparams_with_path,
     injected_states,
     is_injected_state,
-    is_scheduled,
     shardings_of,
     states_with_path,
     to_device_memory,
@@ -215,24 +214,15 @@ def _name(nodes: list[Any], known: KnownGroup | None) -> str:
     return core + "W" if decays and core in _DECOUPLED else core
 
 
-def _first(hps: list[Mapping[str, Any]], known: Mapping[str, float], keys: tuple[str, ...]) -> Any | None:
-    for key in keys:
-        for h in hps:
-            if key in h:
-                return h[key]
-        if key in known:
-            return known[key]
-    return None
-
-
-def _first_at(
-    nodes: list[tuple[KeyPath, Any]], known: Mapping[str, float], keys: tuple[str, ...]
+def _first(
+    injected: list[tuple[KeyPath, frozenset[str]]], known: Mapping[str, float], keys: tuple[str, ...]
 ) -> tuple[KeyPath | None, Any]:
-    """Where :func:`_first` finds its value: ``(path of the injected state, key)``, or ``(None, value)``
-    for a fact jaxlight knows (``(None, None)``: nowhere)."""
+    """Where the first of ``keys`` is, trying each key in the injected states (``(path, hyperparameter
+    names)``, outer first) and then in what jaxlight knows: ``(path, key)``, or ``(None, value)`` for a
+    known value; ``(None, None)``: nowhere."""
     for key in keys:
-        for path, n in nodes:
-            if key in n.hyperparams:
+        for path, names in injected:
+            if key in names:
                 return path, key
         if key in known:
             return None, known[key]
@@ -276,6 +266,9 @@ def inspect_transform(
     rate; else it is read at the ``ScaleByScheduleState`` count)."""
     known = dict(known or {})
     nodes = injected_states(state)
+    # only names (no arrays) are kept for the reader: it must not hold on to this state's buffers
+    names = {p: frozenset(n.hyperparams) for p, n in nodes.items()}
+    scheduled = {p: frozenset(getattr(n, "hyperparams_states", {})) for p, n in nodes.items()}
     found = (
         nodes,
         states_with_path(state, optax.contrib.ReduceLROnPlateauState.__name__),
@@ -286,19 +279,18 @@ def inspect_transform(
     infos, uses = [], []  # uses: per group, the (injected path, key) its values come from
     for g in _groups(state):
         fact = known.get(g.top) if g.top is not None else None
-        inj = [(where[id(n)], n) for n in g.nodes if is_injected_state(n)]
-        hps = [n.hyperparams for _, n in inj]
+        inj = [(where[id(n)], names[where[id(n)]]) for n in g.nodes if is_injected_state(n)]
         statics = dict(fact.hparams) if fact is not None else {}
         scheds = [where[id(n)] for n in g.nodes if isinstance(n, optax.ScaleByScheduleState)]
-        injected_lr = any("learning_rate" in h for h in hps)
+        injected_lr = any("learning_rate" in h for _, h in inj)
         named = schedule is not None and not injected_lr and len(scheds) == 1
-        sees_all = bool(hps) or fact is not None  # every numeric hyperparameter is in view: absent means none
+        sees_all = bool(inj) or fact is not None  # every numeric hyperparameter is in view: absent means none
         missing = []
         if not (injected_lr or named or "learning_rate" in statics):
             missing.append("learning rate")
-        if not sees_all and _first(hps, statics, _MOMENTUM) is None:
+        if not sees_all and _first(inj, statics, _MOMENTUM) == (None, None):
             missing.append("momentum")
-        if not sees_all and _first(hps, statics, _DECAY) is None:
+        if not sees_all and _first(inj, statics, _DECAY) == (None, None):
             missing.append("weight decay")
         infos.append(
             GroupInfo(
@@ -314,14 +306,12 @@ def inspect_transform(
                 injected_lr=injected_lr,
             )
         )
-        used = [(p, "learning_rate") for p, n in inj if "learning_rate" in n.hyperparams]
-        used += [
-            at for at in (_first_at(inj, statics, _MOMENTUM), _first_at(inj, statics, _DECAY)) if at[0] is not None
-        ]
+        used = [(p, "learning_rate") for p, h in inj if "learning_rate" in h]
+        used += [at for at in (_first(inj, statics, _MOMENTUM), _first(inj, statics, _DECAY)) if at[0] is not None]
         uses.append(used)
     optimized = [(g, u) for g, u in zip(infos, uses) if not g.frozen]
     # a schedule given to inject_hyperparams itself: its next value exists only inside optax's update
-    in_closure = any(is_scheduled(nodes[p], key) for _, used in optimized for p, key in used)
+    in_closure = any(key in scheduled[p] for _, used in optimized for p, key in used)
     held = hold_plateaus(tx) if in_closure else None
     shardings = shardings_of(state)  # HostOffload: read host-resident scalars through device copies
 
@@ -336,7 +326,7 @@ def inspect_transform(
 
         def value(path: KeyPath, key: str) -> Any:
             """Injected ``key`` of the state at ``path`` as the next update uses it."""
-            if is_scheduled(nodes[path], key):
+            if key in scheduled[path]:
                 return nxt[path].hyperparams[key]
             if key == "learning_rate" and path in driven:
                 return driven_learning_rate(now[path], schedule, frequency)  # type: ignore[arg-type]
@@ -349,7 +339,7 @@ def inspect_transform(
             got: dict[str, Any] = {}
             if g.readable:
                 if g.injected_lr:
-                    factors = [value(p, "learning_rate") for p in g.injected if "learning_rate" in nodes[p].hyperparams]
+                    factors = [value(p, "learning_rate") for p in g.injected if "learning_rate" in names[p]]
                 elif g.schedule is not None:
                     factors = [schedule(counts[g.schedule])]  # type: ignore[misc]
                 else:
@@ -359,9 +349,9 @@ def inspect_transform(
                 for f in factors:
                     lr = lr * jnp.asarray(f, jnp.float32)
                 got["lr"] = lr
-            inj = [(p, nodes[p]) for p in g.injected]
-            for key, names in (("momentum", _MOMENTUM), ("weight_decay", _DECAY)):
-                path, at = _first_at(inj, g.known, names)
+            inj = [(p, names[p]) for p in g.injected]
+            for key, keys in (("momentum", _MOMENTUM), ("weight_decay", _DECAY)):
+                path, at = _first(inj, g.known, keys)
                 v = value(path, at) if path is not None else at
                 if v is not None or key.replace("_", " ") not in g.missing:
                     got[key] = jnp.asarray(0.0 if v is None else v, jnp.float32)
