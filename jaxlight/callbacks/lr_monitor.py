@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
-from jaxlight.optim.schedules import driven_states
+from jaxlight.optim.schedules import driven_states, hyperparams_with_path
 from jaxlight.rank_zero import rank_zero_warn
 
 
@@ -68,7 +68,13 @@ def _plan(config: Any, infos: list[Any]) -> list[_Entry]:
 def _added_values(group: Any, state: Any) -> dict[str, Any]:
     """An added group's rate (and momentum, weight decay), from its injected state: the host sets it as a
     number (jaxlight.optim.finetune.set_learning_rates), so the stored value is the one the next update uses."""
-    hp = driven_states(group.state_of(state))[0].hyperparams
+    sub = group.state_of(state)
+    at = next(iter(driven_states(sub)))  # the path of the group's injected state
+    hp = {
+        k: v[at]
+        for k in ("learning_rate", "b1", "momentum", "weight_decay")
+        if at in (v := hyperparams_with_path(sub, k))
+    }
     out = {"lr": hp["learning_rate"]}
     momentum = hp.get("b1", hp.get("momentum"))
     if momentum is not None:

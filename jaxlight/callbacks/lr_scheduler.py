@@ -20,31 +20,32 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from optax.contrib import ReduceLROnPlateauState
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
 from jaxlight.optim.schedules import (
+    KeyPath,
     SchedulerConfig,
     driven_states,
-    is_injected_state,
-    is_plateau_state,
-    plateau_states,
+    hyperparams_with_path,
+    injected_states,
+    learning_rate_value,
     plateau_stepper,
+    set_hyperparam,
+    set_state,
     shardings_of,
-    with_learning_rate,
+    states_with_path,
 )
+
+_PLATEAU = ReduceLROnPlateauState.__name__
 
 
 class _Target(NamedTuple):
     config: SchedulerConfig
     state_of: Callable[[Any], Any]  # TrainState.opt_state -> the scheduler's optimizer's state
-    is_leaf: Callable[[Any], bool]  # flattening TrainState.opt_state with this makes the targets leaves
-    positions: list[int]  # the targets' positions among those leaves
-    fn: Any  # jitted (optimizer state, value) -> the targets, updated
-
-
-def _flat(tree: Any, is_leaf: Callable[[Any], bool]) -> tuple[list[Any], Any]:
-    return jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+    paths: list[KeyPath]  # in TrainState.opt_state: the plateau states it steps / injected states it sets
+    fn: Any  # jitted (optimizer state, value) -> one new plateau state / learning rate per path
 
 
 class LRSchedulerStepper(Callback):
@@ -74,41 +75,45 @@ class LRSchedulerStepper(Callback):
         state = trainer.train_state.opt_state
         shardings = trainer.engine.state_shardings.opt_state
         self._targets, self._pending = [], []
+        injected = {id(n): p for p, n in injected_states(state).items()}
+        plateaus = states_with_path(state, _PLATEAU)
         for c in config.schedulers:
             opt = config.optimizers[c.optimizer_index]
             sub = opt.state_of(state)
             if c.reduce_on_plateau:
-                found = plateau_states(sub)
-                nodes = [found[p] for p in c.plateau_nodes]
-                is_leaf = is_plateau_state
+                where = {id(n): p for p, n in plateaus.items()}
+                found = list(states_with_path(sub, _PLATEAU).values())
+                paths = [where[id(found[p])] for p in c.plateau_nodes]
                 like = opt.updates_like(trainer.train_state.params)
                 step = plateau_stepper(opt.tx, like, c.plateau_nodes, shardings_of(sub))
+                out = [states_with_path(shardings, _PLATEAU)[p] for p in paths]
             elif c.interval == "epoch":
-                nodes = driven_states(sub)
-                is_leaf = is_injected_state
+                paths = [injected[id(n)] for n in driven_states(sub).values()]
 
                 def step(sub: Any, epoch: Any, c: SchedulerConfig = c) -> list:
-                    return [with_learning_rate(n, c.scheduler(epoch // c.frequency)) for n in driven_states(sub)]
+                    return [
+                        learning_rate_value(n.hyperparams["learning_rate"], c.scheduler(epoch // c.frequency))
+                        for n in driven_states(sub).values()
+                    ]
 
+                rates = hyperparams_with_path(shardings, "learning_rate")
+                out = [rates[p] for p in paths]
             else:
                 continue
-            if not nodes:  # pragma: no cover - build() guarantees them
+            if not paths:  # pragma: no cover - build() guarantees them
                 raise RuntimeError(f"jaxlight: no optimizer state found for scheduler {c}")
-            leaves, _ = _flat(state, is_leaf)
-            where = {id(x): i for i, x in enumerate(leaves)}
-            positions = [where[id(n)] for n in nodes]
-            sh_leaves, _ = _flat(shardings, is_leaf)
-            out = [sh_leaves[p] for p in positions]
-            self._targets.append(_Target(c, opt.state_of, is_leaf, positions, jax.jit(step, out_shardings=out)))
+            self._targets.append(_Target(c, opt.state_of, paths, jax.jit(step, out_shardings=out)))
         self._set_epoch_rates(trainer)
 
     def _apply(self, trainer: Any, target: _Target, value: Any) -> None:
         st = trainer.train_state
-        new = target.fn(target.state_of(st.opt_state), value)
-        leaves, treedef = _flat(st.opt_state, target.is_leaf)
-        for p, n in zip(target.positions, new):
-            leaves[p] = n
-        trainer.train_state = st._replace(opt_state=jax.tree_util.tree_unflatten(treedef, leaves))
+        opt_state = st.opt_state
+        for path, new in zip(target.paths, target.fn(target.state_of(opt_state), value)):
+            if target.config.reduce_on_plateau:
+                opt_state = set_state(opt_state, path, new)
+            else:
+                opt_state = set_hyperparam(opt_state, path, "learning_rate", new)
+        trainer.train_state = st._replace(opt_state=opt_state)
 
     # -- epoch-interval schedules ---------------------------------------------------------------
     def _set_epoch_rates(self, trainer: Any) -> None:

@@ -36,7 +36,7 @@ from jaxlight.optim.schedules import (
     SchedulerConfig,
     drive_learning_rate,
     hold_plateaus,
-    is_injected_state,
+    outer_injected_states,
     plateau_states,
     scheduler_config,
 )
@@ -330,7 +330,7 @@ class OptimizerConfig:
         (the whole TrainState's); ``params``: the flat parameter dict (arrays or shapes). Call
         ``.values(optimizer.state_of(opt_state))`` on the result to read the current rates."""
         named = [
-            c.scheduler
+            c
             for c in self.schedulers
             if c.optimizer_index == optimizer.index and not c.reduce_on_plateau and c.interval == "step"
         ]
@@ -339,7 +339,8 @@ class OptimizerConfig:
             optimizer.state_of(opt_state),
             optimizer.updates_like(params),
             known=optimizer.known,
-            schedule=named[0] if named else None,
+            schedule=named[0].scheduler if named else None,
+            frequency=named[0].frequency if named else 1,
         )
 
 
@@ -374,8 +375,7 @@ def _has_plateau(tx: optax.GradientTransformation, params: Mapping[str, Any]) ->
 
 def _injected_lr(tx: optax.GradientTransformation, params: Mapping[str, Any]) -> bool:
     """Whether ``tx``'s state holds an ``inject_hyperparams`` learning rate (a numeric one, which can be set)."""
-    leaves = jax.tree.leaves(_init_shapes(tx, params), is_leaf=is_injected_state)
-    return any(is_injected_state(n) and "learning_rate" in n.hyperparams for n in leaves)
+    return any("learning_rate" in n.hyperparams for n in outer_injected_states(_init_shapes(tx, params)).values())
 
 
 def _attach_schedulers(

@@ -28,7 +28,7 @@ import optax
 
 from jaxlight.errors import MisconfigurationError
 from jaxlight.optim.params import FROZEN, ParamGroups
-from jaxlight.optim.schedules import driven_states, is_injected_state
+from jaxlight.optim.schedules import driven_states, injected_states, set_hyperparam
 
 
 @dataclasses.dataclass
@@ -104,16 +104,17 @@ def set_learning_rates(opt_state: Any, targets: Sequence[tuple[Callable[[Any], A
     """``opt_state`` with the injected learning rate of each target set: ``(state_of, lr)`` pairs, where
     ``state_of`` picks a group's (or optimizer's) state from the whole optimizer state. The new scalars
     take the old ones' placement, so the compiled train step takes the state as it is."""
-    leaves, treedef = jax.tree_util.tree_flatten(opt_state, is_leaf=is_injected_state)
-    where = {id(x): i for i, x in enumerate(leaves)}
+    where = {id(n): p for p, n in injected_states(opt_state).items()}
+    writes = []
     for state_of, lr in targets:
-        for node in driven_states(state_of(opt_state)):
+        for node in driven_states(state_of(opt_state)).values():
             old = node.hyperparams["learning_rate"]
             value = jnp.asarray(lr, jnp.result_type(old))
             sharding = getattr(old, "sharding", None)
-            new = jax.device_put(value, sharding) if sharding is not None else value
-            leaves[where[id(node)]] = node._replace(hyperparams={**node.hyperparams, "learning_rate": new})
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+            writes.append((where[id(node)], jax.device_put(value, sharding) if sharding is not None else value))
+    for path, value in writes:
+        opt_state = set_hyperparam(opt_state, path, "learning_rate", value)
+    return opt_state
 
 
 __all__ = [

@@ -9,11 +9,15 @@ public optax API, so jaxlight does not look for them there. What it reads:
   :func:`~jaxlight.optim.param_groups`, several optimizers with ``"params"``);
   ``ScaleByAdamState``, ``TraceState``, ... name the optimizer as torch would;
 * ``optax.inject_hyperparams`` states: their ``hyperparams`` hold the
-  learning rate, momentum (``b1``) and weight decay. The value the *next*
-  update uses (an injected schedule moves at every update) is what that
-  update would store: :class:`TransformInfo` runs the optimizer's own update
-  on zero gradients under ``jax.jit``, where everything but those scalars is
-  dead code, and reads the injected states it returns;
+  learning rate, momentum (``b1``) and weight decay, read with
+  ``optax.tree_utils.tree_get_all_with_path``. The value reported is the
+  one the *next* update uses: a number is that value as stored; a rate a
+  step-interval ``lr_scheduler`` drives (:func:`drive_learning_rate`) is
+  that schedule at the injected count, evaluated directly. Only a schedule
+  the user gave ``inject_hyperparams`` itself lives in optax's closure,
+  where no public API reaches it: for that case alone the optimizer's own
+  update, under ``jax.jit`` on zero gradients, computes it (everything but
+  the scalars is dead code);
 * ``reduce_on_plateau`` scales, which multiply the learning rate;
 * a schedule the user named as the optimizer's ``lr_scheduler``, at the
   count of the optimizer's ``ScaleByScheduleState``;
@@ -34,13 +38,19 @@ import jax
 import jax.numpy as jnp
 import optax
 import optax.contrib
+import optax.tree_utils as otu
 
 from jaxlight.optim.params import FROZEN, KnownGroup
 from jaxlight.optim.schedules import (
+    KeyPath,
+    driven_learning_rate,
+    driven_states,
     hold_plateaus,
+    hyperparams_with_path,
+    injected_states,
     is_injected_state,
-    plateau_states,
     shardings_of,
+    states_with_path,
     to_device_memory,
     zeros_like_updates,
 )
@@ -118,20 +128,10 @@ def _nodes(tree: Any) -> list[Any]:
     return [n for n in jax.tree.leaves(tree, is_leaf=_interesting) if _interesting(n)]
 
 
-def injected_states(state: Any) -> list[Any]:
-    """Every ``inject_hyperparams`` state in ``state`` (nested ones too), outer before inner."""
-    out = []
-    for n in jax.tree.leaves(state, is_leaf=is_injected_state):
-        if is_injected_state(n):
-            out.append(n)
-            out.extend(injected_states(n.inner_state))
-    return out
-
-
-def schedule_states(state: Any) -> list[Any]:
-    """The ``ScaleByScheduleState`` nodes of ``state`` (a schedule baked into a transformation)."""
-    is_sched = lambda n: isinstance(n, optax.ScaleByScheduleState)
-    return [n for n in jax.tree.leaves(state, is_leaf=is_sched) if is_sched(n)]
+def _fields_with_path(state: Any, cls: type, field: str) -> dict[KeyPath, Any]:
+    """``field`` of every ``cls`` state in ``state``, by the path of that state (optax.tree_utils)."""
+    keep = lambda path, _: isinstance(path[-1], otu.NamedTupleKey) and path[-1].tuple_name == cls.__name__
+    return {path[:-1]: v for path, v in otu.tree_get_all_with_path(state, field, keep)}
 
 
 @dataclasses.dataclass
@@ -193,10 +193,11 @@ class GroupInfo:
     frozen: bool
     name: str
     missing: list[str]
-    # where its values come from: positions among injected_states / plateau_states / schedule_states
-    injected: list[int] = dataclasses.field(default_factory=list, repr=False)
-    plateaus: list[int] = dataclasses.field(default_factory=list, repr=False)
-    schedule: int | None = dataclasses.field(default=None, repr=False)
+    # where its values come from: paths of its injected / plateau states and of the ScaleByScheduleState
+    # a named schedule is read at
+    injected: list[KeyPath] = dataclasses.field(default_factory=list, repr=False)
+    plateaus: list[KeyPath] = dataclasses.field(default_factory=list, repr=False)
+    schedule: KeyPath | None = dataclasses.field(default=None, repr=False)
     known: Mapping[str, float] = dataclasses.field(default_factory=dict, repr=False)
     injected_lr: bool = dataclasses.field(default=False, repr=False)
 
@@ -213,14 +214,19 @@ def _name(nodes: list[Any], known: KnownGroup | None) -> str:
     return core + "W" if decays and core in _DECOUPLED else core
 
 
-def _first(hps: list[Mapping[str, Any]], known: Mapping[str, float], keys: tuple[str, ...]) -> Any | None:
+def _first(
+    injected: list[tuple[KeyPath, frozenset[str]]], known: Mapping[str, float], keys: tuple[str, ...]
+) -> tuple[KeyPath | None, Any]:
+    """Where the first of ``keys`` is, trying each key in the injected states (``(path, hyperparameter
+    names)``, outer first) and then in what jaxlight knows: ``(path, key)``, or ``(None, value)`` for a
+    known value; ``(None, None)``: nowhere."""
     for key in keys:
-        for h in hps:
-            if key in h:
-                return h[key]
+        for path, names in injected:
+            if key in names:
+                return path, key
         if key in known:
-            return known[key]
-    return None
+            return None, known[key]
+    return None, None
 
 
 @dataclasses.dataclass
@@ -241,6 +247,9 @@ class TransformInfo:
         return self._values(state)
 
 
+_MOMENTUM, _DECAY = ("momentum", "b1"), ("weight_decay",)
+
+
 def inspect_transform(
     tx: optax.GradientTransformation,
     state: Any,
@@ -248,32 +257,40 @@ def inspect_transform(
     *,
     known: Mapping[str, KnownGroup] | None = None,
     schedule: Callable[[Any], Any] | None = None,
+    frequency: int = 1,
 ) -> TransformInfo:
     """Read the optimizer ``tx`` from its ``state`` (arrays, or shapes): groups, names, and where each group's
     hyperparameters are. ``like``: its updates' shapes (``jax.ShapeDtypeStruct``, ``optax.MaskedNode``
     where masked); ``known``: facts of the groups jaxlight built, by partition label; ``schedule``: the
-    step-interval schedule the user named for it (read at its ``ScaleByScheduleState`` count when the
-    learning rate is not injected)."""
+    step-interval schedule the user named for it, with its ``frequency`` (it drives an injected learning
+    rate; else it is read at the ``ScaleByScheduleState`` count)."""
     known = dict(known or {})
-    where_inj = {id(n): i for i, n in enumerate(injected_states(state))}
-    where_plat = {id(n): i for i, n in enumerate(plateau_states(state))}
-    where_sched = {id(n): i for i, n in enumerate(schedule_states(state))}
-    infos = []
+    nodes = injected_states(state)
+    # only names (no arrays) are kept for the reader: it must not hold on to this state's buffers
+    names = {p: frozenset(n.hyperparams) for p, n in nodes.items()}
+    scheduled = {p: frozenset(getattr(n, "hyperparams_states", {})) for p, n in nodes.items()}
+    found = (
+        nodes,
+        states_with_path(state, optax.contrib.ReduceLROnPlateauState.__name__),
+        states_with_path(state, optax.ScaleByScheduleState.__name__),
+    )
+    where = {id(n): p for d in found for p, n in d.items()}
+    driven = set(driven_states(state)) if schedule is not None else set()
+    infos, uses = [], []  # uses: per group, the (injected path, key) its values come from
     for g in _groups(state):
         fact = known.get(g.top) if g.top is not None else None
-        inj = [where_inj[id(n)] for n in g.nodes if id(n) in where_inj]
-        hps = [n.hyperparams for n in g.nodes if is_injected_state(n)]
+        inj = [(where[id(n)], names[where[id(n)]]) for n in g.nodes if is_injected_state(n)]
         statics = dict(fact.hparams) if fact is not None else {}
-        scheds = [where_sched[id(n)] for n in g.nodes if id(n) in where_sched]
-        injected_lr = any("learning_rate" in h for h in hps)
+        scheds = [where[id(n)] for n in g.nodes if isinstance(n, optax.ScaleByScheduleState)]
+        injected_lr = any("learning_rate" in h for _, h in inj)
         named = schedule is not None and not injected_lr and len(scheds) == 1
-        sees_all = bool(hps) or fact is not None  # every numeric hyperparameter is in view: absent means none
+        sees_all = bool(inj) or fact is not None  # every numeric hyperparameter is in view: absent means none
         missing = []
         if not (injected_lr or named or "learning_rate" in statics):
             missing.append("learning rate")
-        if not sees_all and _first(hps, statics, ("momentum", "b1")) is None:
+        if not sees_all and _first(inj, statics, _MOMENTUM) == (None, None):
             missing.append("momentum")
-        if not sees_all and _first(hps, statics, ("weight_decay",)) is None:
+        if not sees_all and _first(inj, statics, _DECAY) == (None, None):
             missing.append("weight decay")
         infos.append(
             GroupInfo(
@@ -282,44 +299,60 @@ def inspect_transform(
                 frozen=g.frozen,
                 name=_name(g.nodes, fact),
                 missing=missing,
-                injected=inj,
-                plateaus=[where_plat[id(n)] for n in g.nodes if id(n) in where_plat],
+                injected=[p for p, _ in inj],
+                plateaus=[where[id(n)] for n in g.nodes if isinstance(n, optax.contrib.ReduceLROnPlateauState)],
                 schedule=scheds[0] if named else None,
                 known=statics,
                 injected_lr=injected_lr,
             )
         )
-    optimized = [g for g in infos if not g.frozen]
-    probe = any(g.injected for g in optimized)
-    held = hold_plateaus(tx)
+        used = [(p, "learning_rate") for p, h in inj if "learning_rate" in h]
+        used += [at for at in (_first(inj, statics, _MOMENTUM), _first(inj, statics, _DECAY)) if at[0] is not None]
+        uses.append(used)
+    optimized = [(g, u) for g, u in zip(infos, uses) if not g.frozen]
+    # a schedule given to inject_hyperparams itself: its next value exists only inside optax's update
+    in_closure = any(key in scheduled[p] for _, used in optimized for p, key in used)
+    held = hold_plateaus(tx) if in_closure else None
     shardings = shardings_of(state)  # HostOffload: read host-resident scalars through device copies
 
     def values(state: Any) -> list[dict[str, Any]]:
         state = to_device_memory(state, shardings)
-        if probe:  # the injected values the next update uses are the ones it stores
+        now = injected_states(state)
+        nxt = {}
+        if held is not None:
             zeros = zeros_like_updates(like)
-            inj = injected_states(held.update(zeros, state, zeros)[1])
-        else:
-            inj = []
-        plats, scheds = plateau_states(state), schedule_states(state)
+            nxt = injected_states(held.update(zeros, state, zeros)[1])
+        stored = {key: hyperparams_with_path(state, key) for key in ("learning_rate", *_MOMENTUM, *_DECAY)}
+
+        def value(path: KeyPath, key: str) -> Any:
+            """Injected ``key`` of the state at ``path`` as the next update uses it."""
+            if key in scheduled[path]:
+                return nxt[path].hyperparams[key]
+            if key == "learning_rate" and path in driven:
+                return driven_learning_rate(now[path], schedule, frequency)  # type: ignore[arg-type]
+            return stored[key][path]
+
+        plats = _fields_with_path(state, optax.contrib.ReduceLROnPlateauState, "scale")
+        counts = _fields_with_path(state, optax.ScaleByScheduleState, "count")
         out = []
-        for g in optimized:
-            hps = [inj[i].hyperparams for i in g.injected]
+        for g, _ in optimized:
             got: dict[str, Any] = {}
             if g.readable:
                 if g.injected_lr:
-                    factors = [h["learning_rate"] for h in hps if "learning_rate" in h]
+                    factors = [value(p, "learning_rate") for p in g.injected if "learning_rate" in names[p]]
                 elif g.schedule is not None:
-                    factors = [schedule(scheds[g.schedule].count)]  # type: ignore[misc]
+                    factors = [schedule(counts[g.schedule])]  # type: ignore[misc]
                 else:
                     factors = [g.known["learning_rate"]]
-                factors += [plats[i].scale for i in g.plateaus]
+                factors += [plats[p] for p in g.plateaus]
                 lr = jnp.float32(1.0)
                 for f in factors:
                     lr = lr * jnp.asarray(f, jnp.float32)
                 got["lr"] = lr
-            for key, names in (("momentum", ("momentum", "b1")), ("weight_decay", ("weight_decay",))):
-                v = _first(hps, g.known, names)
+            inj = [(p, names[p]) for p in g.injected]
+            for key, keys in (("momentum", _MOMENTUM), ("weight_decay", _DECAY)):
+                path, at = _first(inj, g.known, keys)
+                v = value(path, at) if path is not None else at
                 if v is not None or key.replace("_", " ") not in g.missing:
                     got[key] = jnp.asarray(0.0 if v is None else v, jnp.float32)
             out.append(got)
@@ -328,4 +361,4 @@ def inspect_transform(
     return TransformInfo(infos, jax.jit(values))
 
 
-__all__ = ["ALIAS_NAMES", "GroupInfo", "STATE_NAMES", "TransformInfo", "injected_states", "inspect_transform"]
+__all__ = ["ALIAS_NAMES", "GroupInfo", "STATE_NAMES", "TransformInfo", "inspect_transform"]

@@ -20,11 +20,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+import optax.tree_utils as otu
 from optax.contrib import ReduceLROnPlateauState
 
 from jaxlight.errors import MisconfigurationError
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+_INJECTED_NAMES = tuple(c.__name__ for c in _INJECTED)
+
+KeyPath = tuple[Any, ...]
+"""A node's place in an optimizer state, as ``optax.tree_utils.tree_get_all_with_path`` spells it."""
 
 
 def is_plateau_state(node: Any) -> bool:
@@ -37,21 +42,77 @@ def is_injected_state(node: Any) -> bool:
     return isinstance(node, _INJECTED)
 
 
+def states_with_path(state: Any, *names: str) -> dict[KeyPath, Any]:
+    """The optax state nodes of ``state`` whose class is named one of ``names``, by path
+    (``optax.tree_utils.tree_get_all_with_path``; nested ones too)."""
+    return {path: n for name in names for path, n in otu.tree_get_all_with_path(state, name)}
+
+
+def injected_states(state: Any) -> dict[KeyPath, Any]:
+    """Every ``inject_hyperparams`` state in ``state`` (nested ones too), by path."""
+    return states_with_path(state, *_INJECTED_NAMES)
+
+
+def hyperparam_at(node: KeyPath | None = None) -> Callable[[KeyPath, Any], bool]:
+    """An ``optax.tree_utils`` filter: a value stored in the ``hyperparams`` of an injected state (the one at
+    path ``node``, or any). It leaves out ``hyperparams_states`` (a schedule's own state, same key)."""
+
+    def keep(path: KeyPath, value: Any) -> bool:
+        del value
+        key = path[-2] if len(path) >= 2 else None
+        return (
+            isinstance(key, otu.NamedTupleKey)
+            and key.tuple_name in _INJECTED_NAMES
+            and key.name == "hyperparams"
+            and (node is None or path[:-2] == node)
+        )
+
+    return keep
+
+
+def hyperparams_with_path(state: Any, name: str) -> dict[KeyPath, Any]:
+    """The stored value of injected hyperparameter ``name`` in each injected state of ``state``, by the path
+    of that state (``optax.tree_utils.tree_get_all_with_path``)."""
+    return {path[:-2]: v for path, v in otu.tree_get_all_with_path(state, name, hyperparam_at())}
+
+
+def set_hyperparam(state: Any, node: KeyPath, name: str, value: Any) -> Any:
+    """``state`` with hyperparameter ``name`` of the injected state at path ``node`` set to ``value``
+    (``optax.tree_utils.tree_set``); the next update uses it."""
+    return otu.tree_set(state, hyperparam_at(node), **{name: value})
+
+
+def set_state(state: Any, path: KeyPath, node: Any) -> Any:
+    """``state`` with the optax state node at ``path`` replaced by ``node``, of the same class
+    (``optax.tree_utils.tree_set``)."""
+    return otu.tree_set(state, lambda p, _: p == path, **{type(node).__name__: node})
+
+
+def is_scheduled(node: Any, name: str) -> bool:
+    """Whether injected hyperparameter ``name`` of ``node`` is a schedule given to ``inject_hyperparams``
+    (its next value is computed by optax's update, from a function in optax's closure)."""
+    return name in getattr(node, "hyperparams_states", {})
+
+
 def plateau_states(state: Any) -> list[ReduceLROnPlateauState]:
     """The ``reduce_on_plateau`` states in ``state``, in flattening order."""
-    return [n for n in jax.tree.leaves(state, is_leaf=is_plateau_state) if is_plateau_state(n)]
+    return list(states_with_path(state, ReduceLROnPlateauState.__name__).values())
 
 
-def driven_states(state: Any) -> list[Any]:
+def outer_injected_states(state: Any) -> dict[KeyPath, Any]:
+    """The ``inject_hyperparams`` states of ``state`` that are not inside another one, by path."""
+    nodes = injected_states(state)
+    return {p: n for p, n in nodes.items() if not any(len(q) < len(p) and p[: len(q)] == q for q in nodes)}
+
+
+def driven_states(state: Any) -> dict[KeyPath, Any]:
     """The outermost ``inject_hyperparams`` states of ``state`` whose ``learning_rate`` is a number (not a
-    schedule of their own): the ones :func:`drive_learning_rate` sets, in flattening order."""
-    return [
-        n
-        for n in jax.tree.leaves(state, is_leaf=is_injected_state)
-        if is_injected_state(n)
-        and "learning_rate" in n.hyperparams
-        and "learning_rate" not in getattr(n, "hyperparams_states", {})
-    ]
+    schedule of their own), by path: the ones :func:`drive_learning_rate` sets."""
+    return {
+        p: n
+        for p, n in outer_injected_states(state).items()
+        if "learning_rate" in n.hyperparams and not is_scheduled(n, "learning_rate")
+    }
 
 
 def is_plateau(obj: Any) -> bool:
@@ -145,10 +206,9 @@ def scheduler_config(item: Any, index: int, monitor: str | None) -> SchedulerCon
     return SchedulerConfig(**kw, optimizer_index=index)
 
 
-def with_learning_rate(node: Any, value: Any) -> Any:
-    """The ``inject_hyperparams`` state ``node`` with its ``learning_rate`` set to ``value`` (same dtype)."""
-    lr = node.hyperparams["learning_rate"]
-    return node._replace(hyperparams={**node.hyperparams, "learning_rate": jnp.asarray(value, jnp.asarray(lr).dtype)})
+def learning_rate_value(stored: Any, value: Any) -> Any:
+    """``value`` as the injected learning rate ``stored`` holds it (its dtype: the update uses it as it is)."""
+    return jnp.asarray(value, jnp.asarray(stored).dtype)
 
 
 def drive_learning_rate(
@@ -157,27 +217,27 @@ def drive_learning_rate(
     """``tx`` with every injected ``learning_rate`` set to ``schedule(count // frequency)`` before each update.
 
     ``count`` is the injected state's own update count, i.e. the optimizer
-    steps taken (accumulation windows count once). With ``interval="epoch"``
+    steps taken (accumulation windows count once); :func:`driven_learning_rate`
+    is that value, the one the next update uses. With ``interval="epoch"``
     the update leaves the injected value alone: the host sets it to
     ``schedule(epoch // frequency)`` at each epoch start
     (:class:`~jaxlight.callbacks.lr_scheduler.LRSchedulerStepper`).
     """
     inner = optax.with_extra_args_support(tx)
 
-    def set_lr(state: Any) -> Any:
-        def one(node: Any) -> Any:
-            if is_injected_state(node) and "learning_rate" in node.hyperparams:
-                return with_learning_rate(node, schedule(node.count // frequency))
-            return node
-
-        return jax.tree.map(one, state, is_leaf=is_injected_state)
-
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         if interval == "step":
-            state = set_lr(state)
+            for path, node in driven_states(state).items():
+                state = set_hyperparam(state, path, "learning_rate", driven_learning_rate(node, schedule, frequency))
         return inner.update(updates, state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def driven_learning_rate(node: Any, schedule: Callable[[Any], Any], frequency: int = 1) -> Any:
+    """The learning rate a step-interval :func:`drive_learning_rate` gives the injected state ``node`` at its
+    next update: the schedule at the node's count, in the stored rate's dtype."""
+    return learning_rate_value(node.hyperparams["learning_rate"], schedule(node.count // frequency))
 
 
 def hold_plateaus(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -255,18 +315,28 @@ def plateau_stepper(
 
 
 __all__ = [
+    "KeyPath",
     "SchedulerConfig",
-    "driven_states",
     "drive_learning_rate",
+    "driven_learning_rate",
+    "driven_states",
     "hold_plateaus",
+    "hyperparam_at",
+    "hyperparams_with_path",
+    "injected_states",
     "is_injected_state",
     "is_plateau",
     "is_plateau_state",
+    "is_scheduled",
+    "learning_rate_value",
+    "outer_injected_states",
     "plateau_states",
     "plateau_stepper",
     "scheduler_config",
+    "set_hyperparam",
+    "set_state",
     "shardings_of",
+    "states_with_path",
     "to_device_memory",
-    "with_learning_rate",
     "zeros_like_updates",
 ]
