@@ -139,7 +139,9 @@ def _check_deterministic(name: str, deterministic: Any) -> None:
 
 def _check_root(name: str, root: Any) -> None:
     if root is not None and not isinstance(root, (str, os.PathLike)):
-        raise MisconfigurationError(f"default_root_dir must be a path (str or os.PathLike), got {type(root).__name__}")
+        raise MisconfigurationError(
+            f"default_root_dir must be a path (str or os.PathLike), got {root!r} ({type(root).__name__})"
+        )
 
 
 def _check_ragged(name: str, ragged: Any) -> None:
