@@ -197,10 +197,6 @@ def _max_epochs(value: int | None, args: Mapping[str, Any]) -> int:
     return 1000 if args["max_steps"] == -1 and args["max_time"] is None else -1
 
 
-def _precision(value: Any, args: Mapping[str, Any]) -> Precision:
-    return value if isinstance(value, Precision) else resolve_precision(value)  # an assigned policy stays
-
-
 def _or(default: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
     """Resolve None (which every such argument keeps accepting, as Lightning's did) to ``default``."""
     return lambda value, args: default if value is None else value
@@ -294,7 +290,7 @@ ARGUMENTS: tuple[Argument, ...] = (
         "(parameters, and so optimizer state, stored in bf16; float inputs are cast to bf16 too); "
         '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). `"16-mixed"`/`"16"`/`16` is refused: it needs '
         "dynamic loss scaling, which the compiled step does not do. Anything else raises, listing these",
-        resolve=_precision,
+        resolve=lambda value, args: resolve_precision(value),
         field_type=Precision,
         attribute="precision_plugin",
     ),

@@ -60,7 +60,8 @@ class Trainer(ConfigAttributes):
     bounded run-ahead of four steps, with logged values fetched only every
     ``log_every_n_steps`` and at epoch end; bad arguments raise before any
     work starts, with the numbers. Each argument is readable under its name
-    (``trainer.max_epochs``), from ``trainer.config``.
+    (``trainer.max_epochs``), from ``trainer.config``; assigning one runs the
+    same check. The arguments are one table, :data:`jaxlight.config.ARGUMENTS`.
     """
 
     @trainer_arguments  # every other argument: its name, type, default, doc and check are jaxlight.config.ARGUMENTS
