@@ -73,6 +73,15 @@ def test_val_check_interval_not_given_is_not_the_same_as_given():
     assert "val_check_interval=1.0 is a fraction of an epoch" in message
 
 
+def test_every_argument_is_checked_as_given_even_where_fast_dev_run_replaces_it():
+    # one check per argument, run on the value passed: fast_dev_run's overrides do not hide a bad one
+    assert "max_steps must be -1 (no limit) or >= 0, got -5" in _error(
+        lambda: jl.Trainer(fast_dev_run=True, max_steps=-5)
+    )
+    config = TrainerConfig.from_arguments(fast_dev_run=2, max_steps=100, limit_val_batches=0.5, logger=True)
+    assert (config.max_steps, config.limit_val_batches, config.loggers) == (2, 2, ())
+
+
 def test_an_unknown_argument_is_a_type_error_naming_the_closest():
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_step'; did you mean 'max_steps'\?"):
         jl.Trainer(max_step=3)
