@@ -474,6 +474,7 @@ class FitLoop:
 
     @property
     def config(self) -> TrainerConfig:
+        """``trainer.config`` as it is now: ``max_steps``, ``max_epochs`` and ``min_*`` are read at every check."""
         return self.parts.config
 
     # -- stopping and validation cadence ---------------------------------------------------
