@@ -1,23 +1,29 @@
-"""The Trainer's arguments after their checks, and the loop constants.
+"""The Trainer's arguments, written once: :data:`ARGUMENTS`, and what is made from it.
 
-:meth:`TrainerConfig.from_arguments` is where every ``Trainer(...)`` argument
-is checked (with the numbers, before any work starts) and resolved
-(defaults, ``fast_dev_run``'s overrides, device indices to devices). The
-result is frozen: the loops read it and never change it. The Trainer exposes
-each field under its Lightning name (``trainer.max_epochs`` is
-``trainer.config.max_epochs``); assigning one replaces ``trainer.config``
-with a copy (:class:`ConfigAttribute`).
+Each :class:`Argument` row holds an argument's name, the type a caller may pass, its default, its
+documentation and its check (and, where the value is resolved, how). From the table come:
+
+- the ``Trainer.__init__`` signature, annotations and ``Args:`` docstring (:func:`trainer_arguments`), which
+  ``inspect.signature``, ``help(jl.Trainer)`` and the LightningCLI (jsonargparse) read;
+- :class:`TrainerConfig`, the frozen dataclass of the resolved values (:meth:`TrainerConfig.from_arguments`
+  checks every argument, with the numbers, before any work starts);
+- the Trainer's attributes under Lightning's names (``trainer.max_epochs`` reads ``trainer.config``), whose
+  assignment runs the same check (:class:`ConfigAttribute`);
+- the argument table of docs/trainer.md (:func:`markdown_table`; a test keeps the page equal to it).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
+import inspect
 import math
 import numbers
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -36,346 +42,122 @@ jit loop on XLA:CPU; with 4, 0.1%), shallow enough to bound memory and how late 
 Limit = int | float | None
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    """Every Trainer argument, checked and resolved (Lightning's names and meanings).
-
-    Resolved means: ``devices`` holds the devices of the global mesh (every
-    process contributes as many as this one picked); ``precision`` is the
-    policy; ``fast_dev_run`` is an int (0: off) and, when set, has already
-    replaced the limits, ``max_steps``, ``max_epochs``, the sanity check, the
-    validation cadence, the loggers and checkpointing; ``max_epochs`` is 1000 when nothing else bounds the run
-    and -1 (no limit) when ``max_steps`` or ``max_time`` does;
-    ``min_epochs``/``min_steps`` are 0 when not given;
-    ``val_check_interval`` is 1.0 (once per epoch) when not given;
-    ``loggers`` is the list to use (a CSVLogger under ``default_root_dir``
-    for ``None``/``True``, none for ``False``).
-
-    Not here: the objects the Trainer owns and may replace during a run, the
-    strategy (``strategy="auto"`` picks one at fit) and the callbacks (the
-    Trainer adds its defaults, the module may add its own); they are checked
-    by :func:`~jaxlight.strategies.strategy.resolve_strategy` and
-    :func:`~jaxlight.hooks.check_callbacks`.
-    """
-
-    accelerator: str
-    devices: tuple[Any, ...]
-    num_nodes: int
-    precision: Precision
-    loggers: tuple[Logger, ...]
-    fast_dev_run: int
-    max_epochs: int
-    min_epochs: int
-    max_steps: int
-    min_steps: int
-    max_time: str | timedelta | dict[str, int] | None
-    limit_train_batches: Limit
-    limit_val_batches: Limit
-    limit_test_batches: Limit
-    limit_predict_batches: Limit
-    val_check_interval: int | float
-    check_val_every_n_epoch: int | None
-    num_sanity_val_steps: int
-    log_every_n_steps: int
-    enable_checkpointing: bool
-    enable_progress_bar: bool | None
-    enable_model_summary: bool
-    accumulate_grad_batches: int
-    gradient_clip_val: float | None
-    gradient_clip_algorithm: str
-    deterministic: bool
-    seed: int | None
-    default_root_dir: str
-    ragged_batches: str
-    process_local_batches: bool
-    prefetch: int
-    compile_cache: bool | str | os.PathLike | None
-    device_memory: int | str | None
-    steps_per_execution: int = 1
-
-    def stepping_batches(self, batches_per_epoch: int | float) -> int | float | None:
-        """Optimizer steps a fit takes, as Lightning counts them: ``ceil(batches_per_epoch /
-        accumulate_grad_batches) * max_epochs`` (the ceil counts the partial window that steps at each
-        epoch's end) capped by ``max_steps``; ``max_steps`` (``inf`` when -1) with ``max_epochs=-1``;
-        None when the epoch length is unknown and ``max_epochs`` bounds the run."""
-        if self.max_epochs == -1:
-            return math.inf if self.max_steps == -1 else self.max_steps
-        if batches_per_epoch == math.inf:
-            return None
-        steps = math.ceil(batches_per_epoch / self.accumulate_grad_batches) * max(self.max_epochs, 1)
-        return min(steps, self.max_steps) if self.max_steps != -1 else steps
-
-    @classmethod
-    def from_arguments(
-        cls,
-        *,
-        accelerator: str = "auto",
-        devices: int | Sequence[int] | str = "auto",
-        num_nodes: int = 1,
-        precision: str | int = "32-true",
-        logger: Logger | Iterable[Logger] | bool | None = None,
-        fast_dev_run: int | bool = False,
-        max_epochs: int | None = None,
-        min_epochs: int | None = None,
-        max_steps: int = -1,
-        min_steps: int | None = None,
-        max_time: str | timedelta | dict[str, int] | None = None,
-        limit_train_batches: Limit = None,
-        limit_val_batches: Limit = None,
-        limit_test_batches: Limit = None,
-        limit_predict_batches: Limit = None,
-        val_check_interval: int | float | None = None,
-        check_val_every_n_epoch: int | None = 1,
-        num_sanity_val_steps: int | None = None,
-        log_every_n_steps: int | None = None,
-        enable_checkpointing: bool | None = None,
-        enable_progress_bar: bool | None = None,
-        enable_model_summary: bool | None = None,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-        deterministic: bool | None = None,
-        seed: int | None = None,
-        default_root_dir: str | os.PathLike | None = None,
-        ragged_batches: str = "keep",
-        process_local_batches: bool = False,
-        prefetch: int = 2,
-        compile_cache: bool | str | os.PathLike | None = None,
-        device_memory: int | str | None = None,
-        steps_per_execution: int = 1,
-    ) -> TrainerConfig:
-        """Check every argument (raising :class:`MisconfigurationError` with the numbers) and resolve it."""
-        check_types(locals())
-        if accelerator not in ("auto", "cpu", "gpu", "cuda", "tpu"):
-            raise MisconfigurationError(f"accelerator={accelerator!r}; choose 'auto', 'cpu', 'gpu' or 'tpu'")
-        if accelerator not in ("auto",) and jax.default_backend() != {"cuda": "gpu"}.get(accelerator, accelerator):
-            raise MisconfigurationError(f"accelerator={accelerator!r} but JAX's backend is {jax.default_backend()!r}")
-        plugin = resolve_precision(precision)
-        picked = resolve_devices(devices)
-        if num_nodes != 1 and num_nodes != jax.process_count():
-            raise MisconfigurationError(
-                f"num_nodes={num_nodes} but jax.distributed reports {jax.process_count()} processes"
-            )
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise MisconfigurationError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
-        if gradient_clip_algorithm not in (None, "norm", "value"):
-            raise MisconfigurationError(
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'"
-            )
-        if gradient_clip_val is not None and gradient_clip_val < 0:
-            raise MisconfigurationError(f"gradient_clip_val must be >= 0, got {gradient_clip_val}")
-        if ragged_batches not in ("keep", "error", "drop"):
-            raise MisconfigurationError(
-                f"ragged_batches={ragged_batches!r}; choose 'error' or 'drop', or 'keep' (the default: a shorter "
-                f"train batch runs in a step compiled for its own shape, as Lightning trains it)"
-            )
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise MisconfigurationError(
-                f"prefetch must be an int >= 0 (batches read ahead on a background thread; 0 reads them inline), "
-                f"got {prefetch!r}"
-            )
-        check_steps_per_execution(steps_per_execution)
-        if deterministic and jax.default_backend() == "gpu":
-            if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-                raise MisconfigurationError(
-                    "deterministic=True on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true set before JAX starts"
-                )
-
-        # fast_dev_run: n batches of each stage, no sanity check, no loggers or checkpoints.
-        if fast_dev_run is True:
-            fast_dev_run = 1
-        if isinstance(fast_dev_run, int) and fast_dev_run < 0:
-            raise MisconfigurationError(f"fast_dev_run={fast_dev_run} must be >= 0 or a bool")
-        fast_dev_run = int(fast_dev_run)
-        if fast_dev_run:
-            n = fast_dev_run
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
-            max_steps, max_epochs, num_sanity_val_steps = n, 1, 0
-            val_check_interval, check_val_every_n_epoch = 1.0, 1
-            logger, enable_checkpointing = False, False
-
-        limits = {
-            name: check_limit(name, value)
-            for name, value in (
-                ("limit_train_batches", limit_train_batches),
-                ("limit_val_batches", limit_val_batches),
-                ("limit_test_batches", limit_test_batches),
-                ("limit_predict_batches", limit_predict_batches),
-            )
-        }
-        if max_epochs is None:
-            max_epochs = 1000 if max_steps == -1 and max_time is None else -1
-        if max_steps is None or max_steps < -1:
-            raise MisconfigurationError(f"max_steps must be -1 (no limit) or >= 0, got {max_steps}")
-        if max_epochs < -1:
-            raise MisconfigurationError(f"max_epochs must be -1 (no limit) or >= 0, got {max_epochs}")
-        for name, value in (("min_epochs", min_epochs), ("min_steps", min_steps)):
-            if value is not None and value < 0:
-                raise MisconfigurationError(f"{name} must be >= 0 (or None: no minimum), got {value}")
-        if num_sanity_val_steps is not None and num_sanity_val_steps < -1:
-            raise MisconfigurationError(
-                f"num_sanity_val_steps must be -1 (every validation batch) or >= 0, got {num_sanity_val_steps}"
-            )
-        if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
-            raise MisconfigurationError(
-                f"val_check_interval={val_check_interval} is a fraction of an epoch, but check_val_every_n_epoch=None "
-                f"counts batches across epochs: pass an int number of batches"
-            )
-        if val_check_interval is None:
-            val_check_interval = 1.0
-        if isinstance(val_check_interval, float) and not (0.0 < val_check_interval <= 1.0):
-            raise MisconfigurationError(f"val_check_interval={val_check_interval} as a float must be in (0, 1]")
-        if isinstance(val_check_interval, int) and val_check_interval < 1:
-            raise MisconfigurationError(f"val_check_interval={val_check_interval} as an int must be >= 1")
-        if check_val_every_n_epoch is not None and check_val_every_n_epoch < 1:
-            raise MisconfigurationError(f"check_val_every_n_epoch must be >= 1 or None, got {check_val_every_n_epoch}")
-        log_every_n_steps = 50 if log_every_n_steps is None else log_every_n_steps
-        if log_every_n_steps < 1:
-            raise MisconfigurationError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
-        root = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-        return cls(
-            accelerator=accelerator,
-            devices=tuple(picked),
-            num_nodes=num_nodes,
-            precision=plugin,
-            loggers=tuple(resolve_loggers(logger, root)),
-            fast_dev_run=fast_dev_run,
-            max_epochs=max_epochs,
-            min_epochs=min_epochs or 0,
-            max_steps=max_steps,
-            min_steps=min_steps or 0,
-            max_time=max_time,
-            **limits,
-            val_check_interval=val_check_interval,
-            check_val_every_n_epoch=check_val_every_n_epoch,
-            num_sanity_val_steps=2 if num_sanity_val_steps is None else num_sanity_val_steps,
-            log_every_n_steps=log_every_n_steps,
-            enable_checkpointing=enable_checkpointing is not False,
-            enable_progress_bar=enable_progress_bar,
-            enable_model_summary=True if enable_model_summary is None else enable_model_summary,
-            accumulate_grad_batches=accumulate_grad_batches,
-            gradient_clip_val=gradient_clip_val,
-            gradient_clip_algorithm=gradient_clip_algorithm or "norm",
-            deterministic=bool(deterministic),
-            seed=seed,
-            default_root_dir=root,
-            ragged_batches=ragged_batches,
-            process_local_batches=process_local_batches,
-            prefetch=prefetch,
-            compile_cache=compile_cache,
-            device_memory=device_memory,
-            steps_per_execution=int(steps_per_execution),
-        )
-
-
-class ConfigAttribute:
-    """A Trainer attribute that is a :class:`TrainerConfig` field (``trainer.max_epochs``).
-
-    Reading returns the config's value; assigning replaces ``trainer.config``
-    with a copy holding the new value (unchecked, as a plain attribute
-    assignment was), which the next ``fit``/``validate``/``test``/``predict``
-    call runs with.
-    """
-
-    def __init__(self, field: str | None = None) -> None:
-        self.field = field
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.field = self.field or name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj.config, self.field)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.config = dataclasses.replace(obj.config, **{self.field: value})
-
-
-class ConfigAttributes:
-    """The Trainer's argument attributes under Lightning's names, each read from ``self.config``."""
-
-    config: TrainerConfig
-    precision_plugin = ConfigAttribute("precision")
-    fast_dev_run = ConfigAttribute()
-    max_epochs = ConfigAttribute()
-    min_epochs = ConfigAttribute()
-    max_steps = ConfigAttribute()
-    min_steps = ConfigAttribute()
-    limit_train_batches = ConfigAttribute()
-    limit_val_batches = ConfigAttribute()
-    limit_test_batches = ConfigAttribute()
-    limit_predict_batches = ConfigAttribute()
-    val_check_interval = ConfigAttribute()
-    check_val_every_n_epoch = ConfigAttribute()
-    num_sanity_val_steps = ConfigAttribute()
-    log_every_n_steps = ConfigAttribute()
-    enable_checkpointing = ConfigAttribute()
-    enable_model_summary = ConfigAttribute()
-    accumulate_grad_batches = ConfigAttribute()
-    gradient_clip_val = ConfigAttribute()
-    gradient_clip_algorithm = ConfigAttribute()
-    deterministic = ConfigAttribute()
-    seed = ConfigAttribute()
-    default_root_dir = ConfigAttribute()
-    ragged_batches = ConfigAttribute()
-    process_local_batches = ConfigAttribute()
-    prefetch = ConfigAttribute()
-    steps_per_execution = ConfigAttribute()
-
-    @property
-    def precision(self) -> str:
-        """The precision's name (``"32-true"``, ``"bf16-mixed"`` ...)."""
-        return self.config.precision.name
-
-
-# Integer arguments, and what each accepts (the type check runs before any range check compares them)
-_INT_ARGUMENTS = {
-    "max_epochs": "an int (-1: no limit) or None",
-    "min_epochs": "an int >= 0 or None",
-    "max_steps": "an int (-1: no limit)",
-    "min_steps": "an int >= 0 or None",
-    "num_sanity_val_steps": "an int (-1: every validation batch) or None",
-    "log_every_n_steps": "an int >= 1 or None",
-    "check_val_every_n_epoch": "an int >= 1 or None",
-    "accumulate_grad_batches": "an int >= 1",
-    "num_nodes": "an int >= 1",
-    "seed": "an int or None",
-}
-_FLAG_ARGUMENTS = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "process_local_batches")
-
-
+# ---------------------------------------------------------------------------- the checks
+# Each takes the argument's name and value and raises MisconfigurationError naming both. A type check comes
+# before any range check, so `max_steps="10"` says so rather than raising a TypeError from `"10" < -1`.
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_types(arguments: Mapping[str, Any]) -> None:
-    """Refuse a ``Trainer`` argument of the wrong type, naming it, its value and its type.
+def _int_check(accepts: str, low: int | None = None, message: str = "", none: bool = True) -> Callable:
+    """A check for an int argument: ``accepts`` says what the argument takes (the type error), ``message``
+    (``{name}``/``{value}`` filled in) is the range error below ``low``; ``none=False`` refuses None in range."""
 
-    Runs before the range checks, so ``max_steps="10"`` is a :class:`MisconfigurationError` saying so rather
-    than a ``TypeError`` from comparing a string with -1.
-    """
-    for name, accepted in _INT_ARGUMENTS.items():
-        value = arguments.get(name)
+    def check(name: str, value: Any) -> None:
         if value is not None and not _is_int(value):
-            raise MisconfigurationError(f"{name} must be {accepted}, got {value!r} ({type(value).__name__})")
-    for name in _FLAG_ARGUMENTS:
-        value = arguments.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise MisconfigurationError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__})")
-    fdr = arguments.get("fast_dev_run", False)
+            raise MisconfigurationError(f"{name} must be {accepts}, got {value!r} ({type(value).__name__})")
+        if (value is None and not none) or (value is not None and low is not None and value < low):
+            raise MisconfigurationError(message.format(name=name, value=value))
+
+    return check
+
+
+def _flag_check(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise MisconfigurationError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__})")
+
+
+def _check_accelerator(name: str, accelerator: Any) -> None:
+    if accelerator not in ("auto", "cpu", "gpu", "cuda", "tpu"):
+        raise MisconfigurationError(f"accelerator={accelerator!r}; choose 'auto', 'cpu', 'gpu' or 'tpu'")
+    if accelerator != "auto" and jax.default_backend() != {"cuda": "gpu"}.get(accelerator, accelerator):
+        raise MisconfigurationError(f"accelerator={accelerator!r} but JAX's backend is {jax.default_backend()!r}")
+
+
+def _check_num_nodes(name: str, num_nodes: Any) -> None:
+    _int_check("an int >= 1")(name, num_nodes)
+    if num_nodes != 1 and num_nodes != jax.process_count():
+        raise MisconfigurationError(
+            f"num_nodes={num_nodes} but jax.distributed reports {jax.process_count()} processes"
+        )
+
+
+def _check_fast_dev_run(name: str, fdr: Any) -> None:
     if not isinstance(fdr, bool) and not _is_int(fdr):
         raise MisconfigurationError(f"fast_dev_run must be a bool or an int >= 0, got {fdr!r} ({type(fdr).__name__})")
-    vci = arguments.get("val_check_interval")
+    if isinstance(fdr, int) and fdr < 0:
+        raise MisconfigurationError(f"fast_dev_run={fdr} must be >= 0 or a bool")
+
+
+def _check_val_check_interval(name: str, vci: Any) -> None:
     if vci is not None and (isinstance(vci, bool) or not isinstance(vci, (numbers.Integral, float))):
         raise MisconfigurationError(
             f"val_check_interval must be an int (batches) or a float in (0, 1] (a fraction of an epoch), "
             f"got {vci!r} ({type(vci).__name__})"
         )
-    clip = arguments.get("gradient_clip_val")
+    if isinstance(vci, float) and not (0.0 < vci <= 1.0):
+        raise MisconfigurationError(f"val_check_interval={vci} as a float must be in (0, 1]")
+    if isinstance(vci, int) and vci < 1:
+        raise MisconfigurationError(f"val_check_interval={vci} as an int must be >= 1")
+
+
+def check_val_cadence(val_check_interval: Any, check_val_every_n_epoch: Any) -> None:
+    """A fraction of an epoch means nothing when ``check_val_every_n_epoch=None`` counts batches across
+    epochs (Lightning refuses it too). ``val_check_interval`` is the value the caller gave (None: not given)."""
+    if check_val_every_n_epoch is None and isinstance(val_check_interval, float):
+        raise MisconfigurationError(
+            f"val_check_interval={val_check_interval} is a fraction of an epoch, but check_val_every_n_epoch=None "
+            f"counts batches across epochs: pass an int number of batches"
+        )
+
+
+def _check_accumulate(name: str, value: Any) -> None:
+    _int_check("an int >= 1")(name, value)
+    if not isinstance(value, int) or value < 1:
+        raise MisconfigurationError(f"accumulate_grad_batches must be an int >= 1, got {value!r}")
+
+
+def _check_clip_val(name: str, clip: Any) -> None:
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not math.isfinite(clip)):
         raise MisconfigurationError(f"gradient_clip_val must be a finite number >= 0 or None, got {clip!r}")
-    root = arguments.get("default_root_dir")
+    if clip is not None and clip < 0:
+        raise MisconfigurationError(f"gradient_clip_val must be >= 0, got {clip}")
+
+
+def _check_clip_algorithm(name: str, algorithm: Any) -> None:
+    if algorithm not in (None, "norm", "value"):
+        raise MisconfigurationError(f"gradient_clip_algorithm={algorithm!r}; choose 'norm' or 'value'")
+
+
+def _check_deterministic(name: str, deterministic: Any) -> None:
+    if deterministic and jax.default_backend() == "gpu":
+        if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+            raise MisconfigurationError(
+                "deterministic=True on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true set before JAX starts"
+            )
+
+
+def _check_root(name: str, root: Any) -> None:
     if root is not None and not isinstance(root, (str, os.PathLike)):
-        raise MisconfigurationError(f"default_root_dir must be a path (str or os.PathLike), got {type(root).__name__}")
+        raise MisconfigurationError(
+            f"default_root_dir must be a path (str or os.PathLike), got {root!r} ({type(root).__name__})"
+        )
+
+
+def _check_ragged(name: str, ragged: Any) -> None:
+    if ragged not in ("keep", "error", "drop"):
+        raise MisconfigurationError(
+            f"ragged_batches={ragged!r}; choose 'error' or 'drop', or 'keep' (the default: a shorter "
+            f"train batch runs in a step compiled for its own shape, as Lightning trains it)"
+        )
+
+
+def _check_prefetch(name: str, prefetch: Any) -> None:
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise MisconfigurationError(
+            f"prefetch must be an int >= 0 (batches read ahead on a background thread; 0 reads them inline), "
+            f"got {prefetch!r}"
+        )
 
 
 def check_steps_per_execution(n: Any) -> None:
@@ -401,6 +183,572 @@ def check_limit(name: str, value: Limit) -> Limit:
     if isinstance(value, int) and value < 0:
         raise MisconfigurationError(f"{name}={value} must be >= 0")
     return value
+
+
+# ---------------------------------------------------------------------------- resolving
+# Each takes the value and the other arguments (as given, or the config's values on assignment).
+def _root(value: Any) -> str:
+    return os.fspath(value) if value is not None else os.getcwd()
+
+
+def _max_epochs(value: int | None, args: Mapping[str, Any]) -> int:
+    if value is not None:
+        return value
+    return 1000 if args["max_steps"] == -1 and args["max_time"] is None else -1
+
+
+def _or(default: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """Resolve None (which every such argument keeps accepting, as Lightning's did) to ``default``."""
+    return lambda value, args: default if value is None else value
+
+
+# ---------------------------------------------------------------------------- the table
+_DEFAULT = object()  # Argument.unset when not passing an argument means passing its default
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One ``Trainer`` argument, written once.
+
+    ``type`` is what a caller may pass (None for the Trainer's own objects, ``strategy`` and ``callbacks``,
+    which keep the annotation of ``Trainer.__init__`` and are not in the config); ``default`` is what the
+    signature shows; ``check(name, value)`` raises :class:`MisconfigurationError`; ``resolve(value, args)``
+    gives the config's value. ``field`` names the :class:`TrainerConfig` field ("" for the same name, None
+    for none) and ``field_type`` its type when resolving changes it; ``attribute`` the Trainer attribute that
+    reads it (``""`` for the same name, None for none). ``unset`` is what a caller who did not pass the
+    argument means, where that differs from passing the default (the CLI's default is ``unset`` then).
+    """
+
+    name: str
+    type: Any
+    default: Any
+    doc: str
+    check: Callable[[str, Any], Any] | None = None
+    resolve: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    field: str | None = ""
+    field_type: Any = None
+    attribute: str | None = ""
+    unset: Any = _DEFAULT
+
+    @property
+    def config_field(self) -> str:
+        """The :class:`TrainerConfig` field that holds the resolved value."""
+        return self.field or self.name
+
+    @property
+    def not_given(self) -> Any:
+        """The value ``from_arguments`` works with when the caller did not pass the argument."""
+        return self.default if self.unset is _DEFAULT else self.unset
+
+
+_LIMIT_DOC = "an int (that many batches) or a float fraction of the loader's length (needs `len(loader)`)"
+ARGUMENTS: tuple[Argument, ...] = (
+    Argument(
+        "accelerator",
+        str,
+        "auto",
+        '`"auto"`, `"cpu"`, `"gpu"`/`"cuda"`, `"tpu"`; must match JAX\'s backend (JAX picks the backend at '
+        "start, the trainer cannot switch it)",
+        check=_check_accelerator,
+        attribute=None,
+    ),
+    Argument(
+        "strategy",
+        None,
+        "auto",
+        'placement: `"ddp"`/`"dp"` (data parallel), `"fsdp"`, `"tp"`, `"sp"`, `"pp"`, `"offload"`, joined '
+        'with `+` (`"fsdp+tp"`), a piece (`jl.strategies.FSDP(...)`) or a `Strategy`; `"auto"` picks the '
+        "least communication that fits `device_memory` ([verify.md](verify.md)). Unknown names raise, "
+        "listing the valid ones",
+        field=None,
+        attribute=None,
+    ),
+    Argument(
+        "devices",
+        int | Sequence[int] | str,
+        "auto",
+        'an int (the first N local devices), a list of local device indices, `-1` or `"auto"` (all). More '
+        "than available raises with both numbers",
+        resolve=lambda value, args: tuple(resolve_devices(value)),
+        field_type=tuple[Any, ...],
+        attribute=None,
+    ),
+    Argument(
+        "num_nodes",
+        int,
+        1,
+        "must equal `jax.process_count()` when set; multi-process runs are started with `jax.distributed`",
+        check=_check_num_nodes,
+        attribute=None,
+    ),
+    Argument(
+        "precision",
+        str | int,
+        "32-true",
+        '`"32-true"`/`"32"`/`32`; `"bf16-mixed"`/`"bf16"` (fp32 master weights and optimizer state, bf16 '
+        'forward/backward; normalisation layers keep bf16 activations with fp32 statistics); `"bf16-true"` '
+        "(parameters, and so optimizer state, stored in bf16; float inputs are cast to bf16 too); "
+        '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). `"16-mixed"`/`"16"`/`16` is refused: it needs '
+        "dynamic loss scaling, which the compiled step does not do. Anything else raises, listing these",
+        resolve=lambda value, args: resolve_precision(value),
+        field_type=Precision,
+        attribute="precision_plugin",
+    ),
+    Argument(
+        "logger",
+        Logger | Iterable[Logger] | bool | None,
+        None,
+        "a `Logger`, a list of them, `True`/`None` (a `CSVLogger` in `default_root_dir`), `False` (none)",
+        resolve=lambda value, args: tuple(resolve_loggers(value, _root(args["default_root_dir"]))),
+        field="loggers",
+        field_type=tuple[Logger, ...],
+        attribute=None,
+    ),
+    Argument(
+        "callbacks",
+        None,
+        None,
+        "a `Callback` or a list. A `TQDMProgressBar` is added unless `enable_progress_bar=False`; callbacks "
+        "returned by the module's `configure_callbacks` replace ones of the same type",
+        field=None,
+        attribute=None,
+    ),
+    Argument(
+        "fast_dev_run",
+        int | bool,
+        False,
+        "`True` or N: run N batches of train/val/test/predict, no sanity check, no logger, no checkpoints, one epoch",
+        check=_check_fast_dev_run,
+        resolve=lambda value, args: int(value),
+        field_type=int,
+    ),
+    Argument(
+        "max_epochs",
+        int | None,
+        None,
+        "stop after this many epochs; `None` means 1000 when neither `max_steps` nor `max_time` is set, else "
+        "unlimited (`-1`)",
+        check=_int_check("an int (-1: no limit) or None", -1, "max_epochs must be -1 (no limit) or >= 0, got {value}"),
+        resolve=_max_epochs,
+        field_type=int,
+    ),
+    Argument(
+        "min_epochs",
+        int | None,
+        None,
+        "early stopping (`should_stop`) is honoured only after this many completed epochs",
+        check=_int_check("an int >= 0 or None", 0, "{name} must be >= 0 (or None: no minimum), got {value}"),
+        resolve=_or(0),
+        field_type=int,
+    ),
+    Argument(
+        "max_steps",
+        int,
+        -1,
+        "stop after this many optimizer steps (`-1`: no limit)",
+        check=_int_check(
+            "an int (-1: no limit)", -1, "max_steps must be -1 (no limit) or >= 0, got {value}", none=False
+        ),
+    ),
+    Argument(
+        "min_steps",
+        int | None,
+        None,
+        "early stopping is honoured only after this many optimizer steps",
+        check=_int_check("an int >= 0 or None", 0, "{name} must be >= 0 (or None: no minimum), got {value}"),
+        resolve=_or(0),
+        field_type=int,
+    ),
+    Argument(
+        "max_time",
+        str | timedelta | dict[str, int] | None,
+        None,
+        'wall-clock limit: `"DD:HH:MM:SS"`, a `timedelta` or a dict; checked at fit start (a budget already '
+        "spent, e.g. by the run a checkpoint resumes, trains nothing) and after every step (adds a `Timer` "
+        "callback)",
+        attribute=None,
+    ),
+    Argument(
+        "limit_train_batches",
+        Limit,
+        None,
+        _LIMIT_DOC,
+        check=check_limit,
+    ),
+    Argument(
+        "limit_val_batches",
+        Limit,
+        None,
+        _LIMIT_DOC,
+        check=check_limit,
+    ),
+    Argument(
+        "limit_test_batches",
+        Limit,
+        None,
+        _LIMIT_DOC,
+        check=check_limit,
+    ),
+    Argument(
+        "limit_predict_batches",
+        Limit,
+        None,
+        _LIMIT_DOC,
+        check=check_limit,
+    ),
+    Argument(
+        "val_check_interval",
+        int | float | None,
+        1.0,
+        "float: validate after that fraction of the training epoch; int: every N training batches (an int "
+        "larger than the epoch raises, unless `check_val_every_n_epoch=None`, which counts batches across "
+        "epochs). `None` (the LightningCLI's default) is the same as not passing it: `1.0`, and accepted with "
+        "`check_val_every_n_epoch=None`",
+        check=_check_val_check_interval,
+        resolve=_or(1.0),
+        field_type=int | float,
+        unset=None,
+    ),
+    Argument(
+        "check_val_every_n_epoch",
+        int | None,
+        1,
+        "validate every N epochs; `None` with an int `val_check_interval` counts batches across epochs (a "
+        "float `val_check_interval` with `None` raises, as in Lightning)",
+        check=_int_check("an int >= 1 or None", 1, "check_val_every_n_epoch must be >= 1 or None, got {value}"),
+    ),
+    Argument(
+        "num_sanity_val_steps",
+        int | None,
+        2,
+        "validation batches run before training, per validation loader (`-1`: the whole loader). Their "
+        "metrics are discarded. Skipped when there is nothing to validate (`limit_val_batches=0`) and when "
+        "resuming inside an epoch",
+        check=_int_check(
+            "an int (-1: every validation batch) or None",
+            -1,
+            "num_sanity_val_steps must be -1 (every validation batch) or >= 0, got {value}",
+        ),
+        resolve=_or(2),
+        field_type=int,
+    ),
+    Argument(
+        "log_every_n_steps",
+        int | None,
+        50,
+        "how often step-level logged values are fetched from the device and sent to loggers and the progress bar",
+        check=_int_check("an int >= 1 or None", 1, "log_every_n_steps must be >= 1, got {value}"),
+        resolve=_or(50),
+        field_type=int,
+    ),
+    Argument(
+        "enable_checkpointing",
+        bool | None,
+        True,
+        "add a default `ModelCheckpoint` when none is given (a `Preemption` handler is added too, except "
+        "under `fast_dev_run`)",
+        check=_flag_check,
+        resolve=lambda value, args: value is not False,
+        field_type=bool,
+    ),
+    Argument(
+        "enable_progress_bar",
+        bool | None,
+        True,
+        "the tqdm bar",
+        check=_flag_check,
+        attribute=None,
+    ),
+    Argument(
+        "enable_model_summary",
+        bool | None,
+        True,
+        "print the parameter table (parameters, bytes per device, sharding) at the start of `fit`",
+        check=_flag_check,
+        resolve=_or(True),
+        field_type=bool,
+    ),
+    Argument(
+        "accumulate_grad_batches",
+        int,
+        1,
+        "apply the optimizer every N batches on the summed gradient divided by N; a partial window steps at "
+        "the epoch's last batch, as in Lightning",
+        check=_check_accumulate,
+    ),
+    Argument(
+        "gradient_clip_val",
+        float | None,
+        None,
+        "clip gradients to this value (by `gradient_clip_algorithm`) before the optimizer",
+        check=_check_clip_val,
+    ),
+    Argument(
+        "gradient_clip_algorithm",
+        str | None,
+        "norm",
+        '`"norm"` = `optax.clip_by_global_norm`, `"value"` = `optax.clip`',
+        check=_check_clip_algorithm,
+        resolve=_or("norm"),
+        field_type=str,
+    ),
+    Argument(
+        "deterministic",
+        bool | None,
+        None,
+        "on GPU requires `XLA_FLAGS=--xla_gpu_deterministic_ops=true` set before JAX starts (raises "
+        "otherwise); CPU and TPU are deterministic already",
+        check=_check_deterministic,
+        resolve=lambda value, args: bool(value),
+        field_type=bool,
+    ),
+    Argument(
+        "seed",
+        int | None,
+        None,
+        "calls `jl.seed_everything(seed)` (Python's `random`, numpy, torch when loaded; JAX has no global "
+        "RNG, so models seed `nnx.Rngs` themselves)",
+        check=_int_check("an int or None"),
+    ),
+    Argument(
+        "default_root_dir",
+        str | os.PathLike | None,
+        None,
+        "where the default logger and checkpoints write (`None`: the current directory)",
+        check=_check_root,
+        resolve=lambda value, args: _root(value),
+        field_type=str,
+    ),
+    Argument(
+        "ragged_batches",
+        str,
+        "keep",
+        'jaxlight only, training only. `"keep"`: a train batch with another number of rows than the others '
+        '(the usual last one) trains, as in Lightning, in a step compiled for its shape (below); `"error"`: '
+        "it raises, before the first step when the loader tells its batch sizes (a torch `DataLoader` with a "
+        '`batch_size`, a list of batches); `"drop"`: such batches are skipped (and left out of '
+        "`num_training_batches`). Validation, test and predict never drop: a short batch runs as it is "
+        "(below)",
+        check=_check_ragged,
+    ),
+    Argument(
+        "process_local_batches",
+        bool,
+        False,
+        "jaxlight only. `True`: in a multi-process run each process's loader yields only its share of every "
+        "global batch (see [data.md](data.md))",
+        check=_flag_check,
+    ),
+    Argument(
+        "prefetch",
+        int,
+        2,
+        "jaxlight only. How many batches the background thread reads and transfers ahead of the step; `0` "
+        "reads each batch in the loop itself (no thread: better for very small steps on few CPU cores; a "
+        "list of ready batches on CPU devices is always read so, see data.md)",
+        check=_check_prefetch,
+    ),
+    Argument(
+        "compile_cache",
+        bool | str | os.PathLike | None,
+        None,
+        "jaxlight only. Persistent XLA compilation cache: `None`/`True` = `$JAXLIGHT_COMPILE_CACHE` or "
+        '`~/.cache/jaxlight/compile`, a path, or `False` (off); see "Persistent compilation cache" below',
+        attribute=None,
+    ),
+    Argument(
+        "device_memory",
+        int | str | None,
+        None,
+        'jaxlight only, for `strategy="auto"`: bytes per device (`"16GiB"`, `"512MB"`, an int). Default: '
+        'read from the device; CPU devices report none, so `"auto"` stays data parallel there and says so',
+        attribute=None,
+    ),
+    Argument(
+        "steps_per_execution",
+        int,
+        1,
+        "Keras's argument of that name: N train batches run by one compiled call (a scan of the train step "
+        "over N stacked batches, the state donated once), bit-identical to N single steps. Per-batch hooks "
+        "run after the call, in order, each with its batch's outputs; cadences must fall on execution "
+        'boundaries or `fit` refuses them with the numbers. See "Multi-step execution" below',
+        check=lambda name, value: check_steps_per_execution(value),
+        resolve=lambda value, args: int(value),
+    ),
+)
+ARGUMENT: dict[str, Argument] = {a.name: a for a in ARGUMENTS}
+CONFIG_ARGUMENTS: tuple[Argument, ...] = tuple(a for a in ARGUMENTS if a.field is not None)
+"""The arguments the config holds: all but the Trainer's own objects (``strategy``, ``callbacks``)."""
+_CONFIG_NAMES = frozenset(a.name for a in CONFIG_ARGUMENTS)
+_FAST_DEV_RUN_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
+
+
+def _config_fields(cls: type) -> type:
+    """Make ``cls`` the frozen dataclass of the resolved arguments: one field per config argument, in the
+    table's order, typed as resolved."""
+    cls.__annotations__ = {a.config_field: a.field_type or a.type for a in CONFIG_ARGUMENTS}
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+@_config_fields
+class TrainerConfig:
+    """Every Trainer argument, checked and resolved (Lightning's names and meanings); its fields come from
+    :data:`ARGUMENTS`.
+
+    Resolved means: ``devices`` holds the devices of the global mesh (every
+    process contributes as many as this one picked); ``precision`` is the
+    policy; ``fast_dev_run`` is an int (0: off) and, when set, has already
+    replaced the limits, ``max_steps``, ``max_epochs``, the sanity check, the
+    validation cadence, the loggers and checkpointing; ``max_epochs`` is 1000 when nothing else bounds the run
+    and -1 (no limit) when ``max_steps`` or ``max_time`` does;
+    ``min_epochs``/``min_steps`` are 0 when not given;
+    ``val_check_interval`` is 1.0 (once per epoch) when not given;
+    ``loggers`` is the list to use (a CSVLogger under ``default_root_dir``
+    for ``None``/``True``, none for ``False``).
+
+    Not here: the objects the Trainer owns and may replace during a run, the
+    strategy (``strategy="auto"`` picks one at fit) and the callbacks (the
+    Trainer adds its defaults, the module may add its own); they are checked
+    by :func:`~jaxlight.strategies.strategy.resolve_strategy` and
+    :func:`~jaxlight.hooks.check_callbacks`.
+    """
+
+    def stepping_batches(self, batches_per_epoch: int | float) -> int | float | None:
+        """Optimizer steps a fit takes, as Lightning counts them: ``ceil(batches_per_epoch /
+        accumulate_grad_batches) * max_epochs`` (the ceil counts the partial window that steps at each
+        epoch's end) capped by ``max_steps``; ``max_steps`` (``inf`` when -1) with ``max_epochs=-1``;
+        None when the epoch length is unknown and ``max_epochs`` bounds the run."""
+        if self.max_epochs == -1:
+            return math.inf if self.max_steps == -1 else self.max_steps
+        if batches_per_epoch == math.inf:
+            return None
+        steps = math.ceil(batches_per_epoch / self.accumulate_grad_batches) * max(self.max_epochs, 1)
+        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+
+    @classmethod
+    def from_arguments(cls, **given: Any) -> TrainerConfig:
+        """Check every argument (raising :class:`MisconfigurationError` with the numbers) and resolve it.
+
+        ``given`` holds the arguments the caller passed (a ``Trainer``'s less ``strategy`` and
+        ``callbacks``); the others take their defaults. An unknown name is a ``TypeError``, as Python's.
+        """
+        unknown = [name for name in given if name not in _CONFIG_NAMES]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], list(ARGUMENT), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"Trainer.__init__() got an unexpected keyword argument {unknown[0]!r}{hint}")
+        args = {a.name: given.get(a.name, a.not_given) for a in CONFIG_ARGUMENTS}
+        for a in CONFIG_ARGUMENTS:
+            if a.check is not None:
+                a.check(a.name, args[a.name])
+        n = int(args["fast_dev_run"])
+        if n:  # n batches of each stage, no sanity check, no loggers or checkpoints, one epoch
+            args.update(dict.fromkeys(_FAST_DEV_RUN_LIMITS, n), max_steps=n, max_epochs=1, num_sanity_val_steps=0)
+            args.update(val_check_interval=1.0, check_val_every_n_epoch=1, logger=False, enable_checkpointing=False)
+        check_val_cadence(args["val_check_interval"], args["check_val_every_n_epoch"])
+        return cls(
+            **{a.config_field: a.resolve(args[a.name], args) if a.resolve else args[a.name] for a in CONFIG_ARGUMENTS}
+        )
+
+    def assign(self, name: str, value: Any) -> TrainerConfig:
+        """A copy with argument ``name`` set to ``value``, after the check ``Trainer(name=value)`` runs and
+        resolved as there (``trainer.max_steps = 5`` is ``trainer.config = trainer.config.assign(...)``).
+        Other arguments are not re-resolved: assigning ``fast_dev_run`` sets only its own value."""
+        argument = ARGUMENT[name]
+        if argument.check is not None:
+            argument.check(name, value)
+        args = {a.name: getattr(self, a.config_field) for a in CONFIG_ARGUMENTS}
+        args[name] = value
+        vci = args["val_check_interval"]
+        # the config holds 1.0 for a val_check_interval not given, which check_val_every_n_epoch=None accepts
+        check_val_cadence(None if name != "val_check_interval" and vci == 1.0 else vci, args["check_val_every_n_epoch"])
+        resolved = argument.resolve(value, args) if argument.resolve else value
+        return dataclasses.replace(self, **{argument.config_field: resolved})
+
+
+# ---------------------------------------------------------------------------- the Trainer's side
+class ConfigAttribute:
+    """A Trainer attribute that reads a :class:`TrainerConfig` field (``trainer.max_epochs``).
+
+    Assigning runs the argument's check, as ``Trainer(max_epochs=...)`` does, and replaces ``trainer.config``
+    with a copy holding the resolved value (:meth:`TrainerConfig.assign`); the loops read ``trainer.config``,
+    so it takes effect at their next read (``max_steps``, ``max_epochs``, ``min_*`` and the validation
+    switches are read at every check; the rest when a ``fit``/``validate``/``test``/``predict`` starts).
+    """
+
+    def __init__(self, argument: str | None = None) -> None:
+        self.argument = argument
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.argument = self.argument or name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.config, ARGUMENT[self.argument].config_field)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.config = obj.config.assign(self.argument, value)
+
+
+class ConfigAttributes:
+    """The Trainer's argument attributes under Lightning's names, each read from ``self.config``: one
+    :class:`ConfigAttribute` per :data:`ARGUMENTS` row that names an ``attribute``."""
+
+    config: TrainerConfig
+
+    @property
+    def precision(self) -> str:
+        """The precision's name (``"32-true"``, ``"bf16-mixed"`` ...)."""
+        return self.config.precision.name
+
+
+for _argument in ARGUMENTS:
+    if _argument.attribute is not None:
+        setattr(ConfigAttributes, _argument.attribute or _argument.name, ConfigAttribute(_argument.name))
+
+
+def trainer_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """Give ``Trainer.__init__(self, *, strategy, callbacks, **arguments)`` the signature, annotations and
+    ``Args:`` docstring of :data:`ARGUMENTS`, which ``inspect.signature``, ``help()`` and jsonargparse read.
+
+    The Trainer's own objects (``strategy``, ``callbacks``: no config field) keep ``init``'s annotation and
+    default, which must equal the table's; every other argument is the table's row.
+    """
+    own = inspect.signature(init).parameters
+    hints = typing.get_type_hints(init)
+    params = [own["self"]]
+    for a in ARGUMENTS:
+        if a.field is None:
+            if a.name not in own or own[a.name].default != a.default:
+                raise TypeError(f"{init.__qualname__} must declare {a.name}={a.default!r} (jaxlight.config.ARGUMENTS)")
+            params.append(own[a.name].replace(annotation=hints[a.name]))
+        else:
+            params.append(
+                inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY, default=a.default, annotation=a.type)
+            )
+    init.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    init.__annotations__ = {**{p.name: p.annotation for p in params[1:]}, "return": None}
+    rows = "\n".join(f"    {a.name}: {a.doc.replace('`', '')}" for a in ARGUMENTS)
+    init.__doc__ = f"{inspect.cleandoc(init.__doc__ or '')}\n\nArgs:\n{rows}\n"
+    return init
+
+
+def _shown(value: Any) -> str:
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
+
+
+def markdown_table() -> str:
+    """The argument table of docs/trainer.md, made from :data:`ARGUMENTS` (consecutive arguments with the
+    same default and meaning share a row)."""
+    groups: list[list[Argument]] = []
+    for a in ARGUMENTS:
+        if groups and (groups[-1][0].doc, groups[-1][0].default) == (a.doc, a.default):
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    lines = ["| argument | default | meaning |", "|---|---|---|"]
+    for g in groups:
+        lines.append(f"| {', '.join(f'`{a.name}`' for a in g)} | {_shown(g[0].default)} | {g[0].doc} |")
+    return "\n".join(lines) + "\n"
 
 
 def resolve_devices(devices: Any) -> list[Any]:
@@ -498,14 +846,20 @@ def resolve_loggers(logger: Logger | Iterable[Logger] | bool | None, default_roo
 
 
 __all__ = [
+    "ARGUMENT",
+    "ARGUMENTS",
+    "CONFIG_ARGUMENTS",
     "RUN_AHEAD",
+    "Argument",
     "ConfigAttribute",
     "ConfigAttributes",
     "TrainerConfig",
     "check_limit",
     "check_log_dirs",
     "check_steps_per_execution",
-    "check_types",
+    "check_val_cadence",
+    "markdown_table",
+    "trainer_arguments",
     "resolve_devices",
     "resolve_loggers",
     "unwritable_reason",

@@ -78,6 +78,7 @@ class RunState(Protocol):
     num_test_batches: int | float | list
     num_predict_batches: int | float | list
     batch_idx: int
+    config: TrainerConfig  # the one copy: an argument assigned during a run (trainer.max_steps = n) is seen here
 
     def eval_params(self) -> dict[str, jax.Array]: ...
 
@@ -85,12 +86,16 @@ class RunState(Protocol):
 class LoopParts(NamedTuple):
     """Everything a loop works with; the Trainer builds one per run."""
 
-    config: TrainerConfig
     hooks: HookCaller
     engine: Engine
     reporter: MetricReporter
     position: LoopPosition
     state: RunState
+
+    @property
+    def config(self) -> TrainerConfig:
+        """The checked arguments, read from the run state each time (no copy of its own)."""
+        return self.state.config
 
 
 @contextlib.contextmanager
@@ -428,10 +433,14 @@ class FitLoop:
 
     def __init__(self, parts: LoopParts) -> None:
         self.parts = parts
-        self.config = parts.config
         self.position = parts.position
         self.state = parts.state
         self.executions: Executions | None = None  # set by fit (jaxlight/executions.py)
+
+    @property
+    def config(self) -> TrainerConfig:
+        """``trainer.config`` as it is now: ``max_steps``, ``max_epochs`` and ``min_*`` are read at every check."""
+        return self.parts.config
 
     # -- stopping and validation cadence ---------------------------------------------------
     def can_stop_early(self) -> bool:
@@ -544,7 +553,7 @@ class FitLoop:
         total_batches = pos.micro_batches
         executions = self.executions or plan_executions(self, val_loaders)
         ahead = RunAhead()
-        while not self.done() and (config.max_epochs == -1 or pos.epoch < config.max_epochs):
+        while not self.done() and (self.config.max_epochs == -1 or pos.epoch < self.config.max_epochs):
             start, n_batches = pos.start_epoch(), state.num_training_batches
             set_loader_epoch(train_loader, pos.epoch)  # Lightning: samplers reshuffle per epoch
             if not start:  # a mid-epoch resume continues the restored epoch accumulators

@@ -19,8 +19,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from datetime import timedelta
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +27,7 @@ import jax
 from jaxlight import checkpoint
 from jaxlight.callbacks import Callback, ModelSummary, TQDMProgressBar
 from jaxlight.compile_cache import configure_compile_cache
-from jaxlight.config import ConfigAttributes, TrainerConfig, check_log_dirs
+from jaxlight.config import ConfigAttributes, TrainerConfig, check_log_dirs, trainer_arguments
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.default_callbacks import with_default_callbacks, with_scheduler_stepper
 from jaxlight.engine import Engine
@@ -60,64 +59,31 @@ class Trainer(ConfigAttributes):
     bounded run-ahead of four steps, with logged values fetched only every
     ``log_every_n_steps`` and at epoch end; bad arguments raise before any
     work starts, with the numbers. Each argument is readable under its name
-    (``trainer.max_epochs``), from ``trainer.config``.
+    (``trainer.max_epochs``), from ``trainer.config``; assigning one runs the
+    same check. The arguments are one table, :data:`jaxlight.config.ARGUMENTS`.
     """
 
+    @trainer_arguments  # every other argument: its name, type, default, doc and check are jaxlight.config.ARGUMENTS
     def __init__(
         self,
         *,
-        accelerator: str = "auto",
         strategy: str | Strategy | Piece = "auto",
-        devices: int | Sequence[int] | str = "auto",
-        num_nodes: int = 1,
-        precision: str | int = "32-true",
-        logger: Logger | Iterable[Logger] | bool | None = None,
         callbacks: Callback | Sequence[Callback] | None = None,
-        fast_dev_run: int | bool = False,
-        max_epochs: int | None = None,
-        min_epochs: int | None = None,
-        max_steps: int = -1,
-        min_steps: int | None = None,
-        max_time: str | timedelta | dict[str, int] | None = None,
-        limit_train_batches: int | float | None = None,
-        limit_val_batches: int | float | None = None,
-        limit_test_batches: int | float | None = None,
-        limit_predict_batches: int | float | None = None,
-        val_check_interval: int | float | None = None,
-        check_val_every_n_epoch: int | None = 1,
-        num_sanity_val_steps: int | None = None,
-        log_every_n_steps: int | None = None,
-        enable_checkpointing: bool | None = None,
-        enable_progress_bar: bool | None = None,
-        enable_model_summary: bool | None = None,
-        accumulate_grad_batches: int = 1,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-        deterministic: bool | None = None,
-        seed: int | None = None,
-        default_root_dir: str | os.PathLike | None = None,
-        ragged_batches: str = "keep",
-        process_local_batches: bool = False,
-        prefetch: int = 2,
-        compile_cache: bool | str | os.PathLike | None = None,
-        device_memory: int | str | None = None,
-        steps_per_execution: int = 1,
+        **arguments: Any,
     ) -> None:
-        arguments = dict(locals())
-        for name in ("self", "strategy", "callbacks"):  # the objects the Trainer owns itself
-            del arguments[name]
+        """Check every argument, then build the mesh and the callbacks (no model is built yet)."""
         self.config: TrainerConfig = TrainerConfig.from_arguments(**arguments)
         parsed = resolve_strategy(strategy)
         # strategy="auto": the layout is chosen by memory at the start of fit (jaxlight/planner.py)
-        self.auto_strategy = AutoStrategy.for_trainer(strategy, device_memory)
+        self.auto_strategy = AutoStrategy.for_trainer(strategy, self.config.device_memory)
         self._devices = list(self.config.devices)
         self.engine = Engine(parsed, parsed.build_mesh(self._devices), self.config.precision)
-        self.compile_cache = configure_compile_cache(compile_cache)
+        self.compile_cache = configure_compile_cache(self.config.compile_cache)
         sync_rank()  # lightning-utilities' rank_zero_* helpers follow JAX's process index
-        if seed is not None:
+        if self.config.seed is not None:
             from jaxlight.seed import seed_everything
 
-            seed_everything(seed)
+            seed_everything(self.config.seed)
 
         # run state
         self.position = LoopPosition()
@@ -293,7 +259,7 @@ class Trainer(ConfigAttributes):
         return self.hooks.call_module(hook, *args)
 
     def _loop_parts(self) -> LoopParts:
-        return LoopParts(self.config, self.hooks, self.engine, self.reporter, self.position, self)
+        return LoopParts(self.hooks, self.engine, self.reporter, self.position, self)
 
     # ---------------------------------------------------------------- run wrapper
     @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
+from jaxlight.config import ARGUMENTS
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.module import LightningModule
 from jaxlight.trainer import Trainer
@@ -126,6 +127,12 @@ def _parser_class() -> type:
                     "or a list of pieces composed with + (in a config file)",
                 )
                 added = [*added, f"{nested_key}.strategy"]
+            # An argument whose "not given" differs from its default (val_check_interval: None, so that
+            # check_val_every_n_epoch=None alone is accepted) is not given unless the command line says so.
+            unset = {f"{nested_key}.{a.name}": a.not_given for a in ARGUMENTS if a.not_given is not a.default}
+            unset = {key: value for key, value in unset.items() if key in added}
+            if unset:
+                self.set_defaults(unset)
             return added
 
         def error(self, message: str, ex: Exception | None = None) -> Any:
