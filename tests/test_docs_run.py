@@ -1,31 +1,42 @@
 """Every Python code block of README.md and docs/*.md runs as a reader would run it, and prints what it says.
 
 What runs: each fenced block whose info string is ``python`` or ``py`` (indented fences, as in list items,
-included). A page's blocks run in order, in one namespace, as a reader pasting them one after another into
-one ``python`` session would: in a fresh interpreter per page (a fresh ``__main__``, jax's configuration
-and the strategy registry as a new session has them), with 8 simulated CPU devices, in an empty temporary
-working directory. One test per page, so a failure names the page; the error names the block's line.
+included), on every page, new pages included. A page's blocks run in order, in one namespace, as a reader
+pasting them one after another into one session would: in a fresh interpreter per page (so jax's
+configuration, the strategy registry and ``sys.modules`` are a new session's), with 8 simulated CPU
+devices, in an empty temporary working directory. One test per page, so a failure names the page; the
+error names the line of the block that failed and the traceback the page's own lines.
 
-Markers (an HTML comment, invisible in the rendered page, on the last non-blank line before the fence):
+The namespace is a module named ``docs_<page>``, not ``__main__``: a block that is a script (``cli.md``'s
+``train.py``) contributes its definitions, and its ``if __name__ == "__main__":`` entry point is left to
+the command line the page gives for it (``tests/test_cli.py`` runs that one).
 
-    <!-- docs-test: skip (REASON) -->    the block is illustration only (a fragment, a placeholder, a cluster
-                                         command); REASON is required and is reported
+Markers: an HTML comment (invisible in the rendered page) on the last non-blank line before the fence.
 
-A marker the test does not understand, or one with no fence after it, fails the page.
+    <!-- docs-test: skip (REASON) -->   illustration only (a fragment, names that stand for the reader's
+                                        own, a launch that needs a cluster); REASON is required and reported
+    <!-- docs-test: namespace NAME -->  the block runs in a second namespace NAME, shared by the blocks so
+                                        marked (migration.md's PyTorch Lightning programs, which a reader
+                                        runs apart from their jaxlight ports)
 
-Printed values: a ``print(...)`` line (at any depth) whose line ends in a comment states its output there,
-and every output that line printed is compared with it:
+A marker the test does not understand, one without a reason, or one with no python fence after it fails.
 
-- the whole comment is the stated output (a comment that explains rather than states goes on its own line);
+Printed values: a ``print(...)`` statement (at any depth) whose last line ends in a comment states its
+output there, and every output it printed is compared with that comment:
+
+- the whole comment is the stated output (a comment that explains rather than states goes on a line of
+  its own);
 - ``...`` stands for any text;
-- a decimal number stands for the digits given: ``0.036`` matches a printed ``0.036`` or ``0.03614``, not
-  ``0.0359`` nor ``0.0009999``; an integer matches exactly (``2`` does not match ``20`` nor ``2.0``);
+- a decimal number stands for the digits given, and the print may show more: ``0.036`` matches a printed
+  ``0.036`` or ``0.03614``, not ``0.0359``, and ``0.001`` does not match ``0.0009999999776482583``; an
+  integer matches exactly (``2`` matches neither ``20`` nor ``2.0``);
 - runs of whitespace match runs of whitespace.
 
-A commented ``print`` line that never ran fails the page too (its claim went unchecked).
+A stated ``print`` that never ran fails the page too (its claim went unchecked).
 
-The worker half of this file (``python tests/test_docs_run.py PAGE RESULT``) runs one page; the test half
-starts it in a subprocess and checks its report.
+The worker half of this file (``python tests/test_docs_run.py PAGE RESULT_JSON``) runs one page; the
+test half starts it in a subprocess and checks its report. Measured: 80 s of CPU for all pages together
+(131 s of wall time on a 2-core machine that other jobs shared).
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Each page's wall time is bounded; the whole file takes about 2 minutes on an idle 2-core machine.
+# A bound per page, far above what one takes (migration.md, the longest: 21 s of CPU, 37 s on a busy machine).
 PAGE_TIMEOUT_S = 300
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*?)[ \t]*$")
@@ -268,6 +279,7 @@ def test_page_runs_as_written(page, tmp_path):
         [sys.executable, str(Path(__file__).resolve()), page, str(result)],
         cwd=work,
         env=env,
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=PAGE_TIMEOUT_S,
