@@ -35,8 +35,8 @@ output there, and every output it printed is compared with that comment:
 A stated ``print`` that never ran fails the page too (its claim went unchecked).
 
 The worker half of this file (``python tests/test_docs_run.py PAGE RESULT_JSON``) runs one page; the
-test half starts it in a subprocess and checks its report. Measured: 80 s of CPU for all pages together
-(131 s of wall time on a 2-core machine that other jobs shared).
+test half starts it in a subprocess and checks its report. Measured on a 2-core machine that other jobs
+shared (load 3-4): 92 s for the file, 80 s of CPU for all pages together.
 """
 
 from __future__ import annotations
