@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from jaxlight.data import BatchError
 from tests.adversary_loop_worker import Loader
 from tests.checkpoint_models import DropoutClassifier, arrays
 from tests.core_models import EagerClassifier, quiet
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "adversary_loop_worker.py")
@@ -203,17 +203,11 @@ def test_main_thread_blocked_in_the_loader_exits_at_stop_timeout_or_at_a_second_
     assert "PREEMPTED" not in timed.out  # no checkpoint: the state was not at a stop point
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sigterm_while_a_collective_waits_on_a_dead_peer_names_the_dead_process(tmp_path):
     """Process 1 is killed (-9) after batch 3; process 0 blocks in the next step's collective. Before, its
     SIGTERM was never handled (the main thread never returns to Python); now it exits 143, naming process 1."""
-    port = _free_port()
+    port = free_port()
     procs = [
         Proc(WORKER, str(tmp_path), json.dumps({"mp": [i, 2, port], "max_steps": 40, "die_at": 3 if i else None}))
         for i in range(2)

@@ -9,6 +9,7 @@ malformed metadata are refused with a ``CheckpointError`` naming the file, and n
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import pathlib
@@ -27,13 +28,14 @@ import jaxlight as jl
 from jaxlight import serialization
 from tests.checkpoint_models import DropoutClassifier, arrays, host_params, stateful_loader
 from tests.checkpoint_safety_common import RichState, TypedHparams, no_pickle, rich_state, same
+from tests.helpers import quiet
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_STEPS = 10  # accumulate 2, 8 batches per epoch: 20 micro-batches, 2.5 epochs
 
 
-def _quiet(**kw) -> dict:
-    return dict(logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+# checkpointing and sanity validation left to the Trainer's defaults
+_quiet = functools.partial(quiet, enable_checkpointing=None, num_sanity_val_steps=None)
 
 
 def _data(n: int = 32):

@@ -32,6 +32,7 @@ import yaml
 from jaxlight import distributed
 from jaxlight.cli import main as cli_main
 from jaxlight.launch import LaunchError, child_env, device_assignment, visible_gpus
+from tests.helpers import free_port
 from tests.xla_flags import codegen_flags, cpu_xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -458,7 +459,7 @@ def test_kubernetes_indexed_job_pods_run_as_local_processes(tmp_path, one_proces
     n = job["spec"]["completions"]
     container = job["spec"]["template"]["spec"]["containers"][0]
     bin_dir = _python_shim(tmp_path)
-    port = _free_port()
+    port = free_port()
     procs = []
     for index in range(n):
         # what Kubernetes gives pod `index`: the container's env (the fieldRef resolved to the completion
@@ -492,9 +493,3 @@ def test_kubernetes_indexed_job_pods_run_as_local_processes(tmp_path, one_proces
         assert p.returncode == 0, out[-4000:]
     _check_like_reference(tmp_path / "rec", one_process_8_devices)
     assert _config_saved_once(tmp_path / "root")["trainer"]["num_nodes"] == 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]

@@ -1,0 +1,93 @@
+"""Helpers shared by the tests and their worker scripts: a free TCP port, quiet Trainer arguments, and
+callbacks that record what training produced.
+
+Worker scripts run as plain programs (``python tests/some_worker.py``) put the repository root on
+``sys.path`` before importing this module, so ``from tests.helpers import ...`` works there too.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import jaxlight as jl
+
+__all__ = ["Losses", "Record", "free_port", "quiet"]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (the OS picks it), for a ``jax.distributed`` coordinator."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# What quiet() turns off; each of these Trainer arguments defaults to None (the Trainer's own choice).
+_QUIET: dict[str, Any] = dict(
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    logger=False,
+    enable_checkpointing=False,
+    num_sanity_val_steps=0,
+)
+
+
+def quiet(**overrides: Any) -> dict[str, Any]:
+    """Trainer kwargs without progress bar, model summary, loggers, checkpoints or sanity validation.
+
+    ``overrides`` replace or extend them. ``None`` for one of those five leaves it out of the result, so the
+    Trainer's own default applies and the caller may still pass it to the Trainer itself: e.g.
+    ``jl.Trainer(enable_checkpointing=flag, **quiet(enable_checkpointing=None))``.
+    """
+    out = {**_QUIET, **overrides}
+    return {k: v for k, v in out.items() if not (k in _QUIET and v is None)}
+
+
+class Losses(jl.Callback):
+    """Records ``outputs[key]`` after every training batch in ``self.losses``.
+
+    Args:
+        key: the output to record; a sequence of keys records a tuple of those outputs per step.
+        as_float: convert each value with ``float`` (a host sync per step); otherwise the value is kept
+            as returned (a device scalar), without syncing.
+    """
+
+    def __init__(self, key: str | Sequence[str] = "loss", as_float: bool = False) -> None:
+        self.key = key
+        self.as_float = as_float
+        self.losses: list = []
+
+    def _value(self, outputs: Any, key: str) -> Any:
+        return float(outputs[key]) if self.as_float else outputs[key]
+
+    def record(self, outputs: Any) -> None:
+        """Appends this step's value(s) from ``outputs``: for subclasses that add to the hook below (they
+        call this instead of ``super().on_train_batch_end``, whose passing ``batch`` on would count as
+        reading it: jaxlight places the batch on the devices only for hooks that read it)."""
+        if isinstance(self.key, str):
+            self.losses.append(self._value(outputs, self.key))
+        else:
+            self.losses.append(tuple(self._value(outputs, k) for k in self.key))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.record(outputs)
+
+
+class Record(Losses):
+    """:class:`Losses`, plus the parameters the run starts from: at ``on_fit_start`` (after placement and
+    any checkpoint restore) ``start_params`` holds host copies of ``trainer.train_state.params`` and
+    ``start_shardings`` their shardings, keyed as the train state keys them."""
+
+    def __init__(self, key: str | Sequence[str] = "loss", as_float: bool = False) -> None:
+        super().__init__(key, as_float)
+        self.start_params: dict[str, np.ndarray] | None = None
+        self.start_shardings: dict[str, Any] | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        params = trainer.train_state.params
+        self.start_params = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
+        self.start_shardings = {k: v.sharding for k, v in params.items()}
