@@ -1,5 +1,5 @@
-"""Helpers shared by the tests and their worker scripts: a free TCP port, quiet Trainer arguments, and
-callbacks that record what training produced.
+"""Helpers shared by the tests and their worker scripts: a free TCP port, waiting for other processes' files,
+quiet Trainer arguments, and callbacks that record what training produced or send a signal mid-fit.
 
 Worker scripts run as plain programs (``python tests/some_worker.py``) put the repository root on
 ``sys.path`` before importing this module, so ``from tests.helpers import ...`` works there too.
@@ -7,8 +7,12 @@ Worker scripts run as plain programs (``python tests/some_worker.py``) put the r
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -16,7 +20,7 @@ import numpy as np
 
 import jaxlight as jl
 
-__all__ = ["Losses", "Record", "free_port", "quiet"]
+__all__ = ["Losses", "Record", "SignalAt", "free_port", "quiet", "wait_for_files"]
 
 
 def free_port() -> int:
@@ -24,6 +28,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+def wait_for_files(paths: Iterable[Path], timeout: float = 60.0) -> None:
+    """Waits until every one of ``paths`` exists (files other processes write); fails the test, naming the
+    missing ones, after ``timeout`` seconds."""
+    import pytest  # here, not at the top: worker scripts import this module and need no pytest
+
+    paths = list(paths)
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.05)
 
 
 # What quiet() turns off; each of these Trainer arguments defaults to None (the Trainer's own choice).
@@ -91,3 +108,15 @@ class Record(Losses):
         params = trainer.train_state.params
         self.start_params = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
         self.start_shardings = {k: v.sharding for k, v in params.items()}
+
+
+class SignalAt(jl.Callback):
+    """Sends signal ``sig`` to this process after micro-batch ``at`` of the run (``trainer.position.micro_batches``
+    at ``on_train_batch_end``): a preemption arriving mid-fit (jaxlight's handler only sets a flag)."""
+
+    def __init__(self, at: int, sig: int = signal.SIGTERM) -> None:
+        self.at, self.sig = at, sig
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.position.micro_batches == self.at:
+            os.kill(os.getpid(), self.sig)

@@ -33,7 +33,7 @@ from jaxlight.data import BatchError
 from tests.adversary_loop_worker import Loader
 from tests.checkpoint_models import DropoutClassifier, arrays
 from tests.core_models import EagerClassifier, quiet
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for_files
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "adversary_loop_worker.py")
@@ -237,14 +237,6 @@ def _launch_env() -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu"}
 
 
-def _wait_files(paths: list[Path], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {[str(p) for p in paths if not p.exists()]}")
-        time.sleep(0.05)
-
-
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -262,7 +254,7 @@ def test_launch_kills_processes_ignoring_a_forwarded_sigterm_after_one_grace_per
         env=_launch_env(),
     )
     try:
-        _wait_files([tmp_path / f"rank_{i}.json" for i in range(2)])
+        wait_for_files([tmp_path / f"rank_{i}.json" for i in range(2)])
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=30)

@@ -27,6 +27,7 @@ from jaxlight.strategies import FSDP, ExpertParallel, PipelineParallel, Sequence
 from jaxlight.summary import per_device_bytes
 from tests.core_models import quiet
 from tests.expert_models import ExpertLM, Outputs, token_batches
+from tests.helpers import Losses
 
 TOL = 1e-5
 SP = ExpertParallel() + SequenceParallel(batch_dims={"tokens": None})  # positions of the activations split
@@ -303,14 +304,6 @@ def test_gpt_example_with_moe_learns_under_ep():
     losses = np.asarray([float(x) for x in cb.losses])
     assert len(losses) == 10 and losses[-3:].mean() < losses[0] - 0.5, losses  # from ln 256 = 5.55 down
     assert 0.5 < float(trainer.callback_metrics["load_balance"]) < 8  # logged; 8 = every token on one expert
-
-
-class Losses(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
 
 
 def test_verify_runs_the_expert_strategies_for_an_moe_model(monkeypatch):

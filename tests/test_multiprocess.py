@@ -17,8 +17,8 @@ import pytest
 
 import jaxlight as jl
 from tests.core_models import quiet
-from tests.helpers import free_port
-from tests.strategy_models import LM, Losses, token_batches
+from tests.helpers import Losses, free_port
+from tests.strategy_models import LM, token_batches
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

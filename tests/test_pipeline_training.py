@@ -23,6 +23,7 @@ import jaxlight as jl
 from jaxlight.strategies import FSDP, HostOffload, TensorParallel
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.summary import per_device_bytes
+from tests.helpers import Record, quiet
 from tests.pipeline_models import DIMS, PipeLM, collectives, crosses_stage, flat_params, token_batches
 from tests.strategy_models import LM
 
@@ -39,30 +40,9 @@ CONFIGS = {
 
 
 def _trainer(strategy, devices, callbacks=(), **kw):
-    kw.setdefault("logger", False)
-    kw.setdefault("enable_checkpointing", False)
     return jl.Trainer(
-        strategy=strategy,
-        devices=devices,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-        **kw,
+        strategy=strategy, devices=devices, callbacks=list(callbacks), **quiet(num_sanity_val_steps=None, **kw)
     )
-
-
-class Record(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list = []
-        self.start: dict[str, np.ndarray] | None = None
-        self.start_shardings: dict | None = None
-
-    def on_fit_start(self, trainer, module):
-        self.start = flat_params(trainer)
-        self.start_shardings = {k: v.sharding for k, v in trainer.train_state.params.items()}
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -236,9 +216,9 @@ def test_checkpoint_restores_across_strategies_exactly(saved, source, strategy, 
     # every array landed in the new run's placement with the saved values, exactly
     ref = PipeLM.load_from_checkpoint(path)
     want = {k: np.asarray(v) for k, v in jl.state.split_models({"net": ref.net})[1].items()}
-    assert rec.start.keys() == want.keys()
+    assert rec.start_params.keys() == want.keys()
     for k in want:
-        np.testing.assert_array_equal(rec.start[k], want[k], err_msg=k)
+        np.testing.assert_array_equal(rec.start_params[k], want[k], err_msg=k)
     stages = t.mesh.shape["stage"]
     for k, sh in rec.start_shardings.items():
         assert (tuple(sh.spec)[:1] == ("stage",)) == ("/blocks/" in k and stages > 1), (k, sh.spec)
