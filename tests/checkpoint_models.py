@@ -7,7 +7,7 @@ import optax
 from flax import nnx
 
 import jaxlight as jl
-from tests.helpers import quiet
+from tests.helpers import host_params, quiet  # noqa: F401 - host_params re-exported: tests import it from here
 
 
 class Net(nnx.Module):
@@ -69,12 +69,6 @@ def trainer(dirpath: str, callbacks=(), every_n_train_steps: int = 2, **kw) -> j
     kw.setdefault("accumulate_grad_batches", 2)
     ckpt = jl.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_last="link")
     return jl.Trainer(callbacks=[*callbacks, ckpt], **quiet(enable_checkpointing=None, num_sanity_val_steps=None, **kw))
-
-
-def host_params(trainer: jl.Trainer) -> dict[str, np.ndarray]:
-    import jax
-
-    return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
 
 
 class NormNet(nnx.Module):

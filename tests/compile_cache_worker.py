@@ -113,7 +113,7 @@ if scenario == "train":
     strategy = args[2] if len(args) > 2 else "auto"
     trainer = jl.Trainer(strategy=strategy, devices=devices, compile_cache=cache_arg(args[0]), **quiet())
     model, cb = fit(trainer)
-    params = {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
+    params = helpers.host_params(trainer)
     np.savez(out.replace(".json", ".npz"), **params)
     result.update(
         compile_cache=trainer.compile_cache,

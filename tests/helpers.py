@@ -20,7 +20,7 @@ import numpy as np
 
 import jaxlight as jl
 
-__all__ = ["Losses", "Record", "SignalAt", "free_port", "quiet", "wait_for_files"]
+__all__ = ["Losses", "Record", "SignalAt", "free_port", "host_params", "quiet", "wait_for_files"]
 
 
 def free_port() -> int:
@@ -64,6 +64,11 @@ def quiet(**overrides: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if not (k in _QUIET and v is None)}
 
 
+def host_params(trainer: jl.Trainer) -> dict[str, np.ndarray]:
+    """Host copies of the trainer's parameters, keyed as its train state keys them (``"net/l1/kernel"``)."""
+    return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
+
+
 class Losses(jl.Callback):
     """Records ``outputs[key]`` after every training batch in ``self.losses``.
 
@@ -105,9 +110,8 @@ class Record(Losses):
         self.start_shardings: dict[str, Any] | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        params = trainer.train_state.params
-        self.start_params = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
-        self.start_shardings = {k: v.sharding for k, v in params.items()}
+        self.start_params = host_params(trainer)
+        self.start_shardings = {k: v.sharding for k, v in trainer.train_state.params.items()}
 
 
 class SignalAt(jl.Callback):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
-import signal
 
 import jax
 import numpy as np
@@ -23,8 +21,8 @@ import jaxlight as jl
 from jaxlight.strategies import FSDP, HostOffload, TensorParallel
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.summary import per_device_bytes
-from tests.helpers import Record, quiet
-from tests.pipeline_models import DIMS, PipeLM, collectives, crosses_stage, flat_params, token_batches
+from tests.helpers import Record, SignalAt, host_params, quiet
+from tests.pipeline_models import DIMS, PipeLM, collectives, crosses_stage, token_batches
 from tests.strategy_models import LM
 
 TOL = 1e-5
@@ -68,7 +66,7 @@ def test_losses_and_parameters_match_one_device(runs, name):
     t, losses = runs[name]
     assert len(losses) == len(ref_losses) == 3
     np.testing.assert_allclose(losses, ref_losses, atol=TOL, rtol=0)
-    ref, got = flat_params(ref_t), flat_params(t)
+    ref, got = host_params(ref_t), host_params(t)
     assert ref.keys() == got.keys()
     worst = max(float(np.abs(ref[k] - got[k]).max()) for k in ref)
     assert worst <= TOL, worst
@@ -226,18 +224,6 @@ def test_checkpoint_restores_across_strategies_exactly(saved, source, strategy, 
     np.testing.assert_allclose([float(x) for x in rec.losses], ref_losses[SPLIT:], atol=TOL, rtol=0)
 
 
-class SignalAt(jl.Callback):
-    """Sends SIGTERM to this process after the ``at``-th training batch (the handler only sets a flag)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.seen += 1
-        if self.seen == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 @pytest.mark.slow
 def test_preemption_and_resume_under_pp_are_bit_identical(tmp_path):
     data = token_batches(STEPS, ROWS, vocab=DIMS["vocab"])
@@ -257,7 +243,7 @@ def test_preemption_and_resume_under_pp_are_bit_identical(tmp_path):
     t2 = trainer("run", [rec])
     t2.fit(PipeLM(**DIMS), data, ckpt_path="last")
     assert len(rec.losses) == STEPS - 3  # resumed, not restarted
-    a, b = flat_params(t2), flat_params(ref)
+    a, b = host_params(t2), host_params(ref)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
