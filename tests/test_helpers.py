@@ -6,11 +6,12 @@ import signal
 import socket
 import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxlight as jl
-from tests.helpers import Losses, SignalAt, free_port, quiet, wait_for_files
+from tests.helpers import Losses, Record, SignalAt, free_port, host_params, quiet, wait_for_files
 
 
 def test_quiet_silences_and_none_hands_an_argument_back_to_the_trainer():
@@ -72,3 +73,17 @@ def test_wait_for_files_returns_once_they_exist_and_names_the_missing_ones(tmp_p
     wait_for_files([there], timeout=1.0)
     with pytest.raises(pytest.fail.Exception, match="missing"):
         wait_for_files([there, tmp_path / "missing"], timeout=0.2)
+
+
+def test_host_params_and_record_copy_the_train_state_to_the_host():
+    params = {"net/w": jnp.arange(4.0), "net/b": jnp.zeros(2)}
+    trainer = types.SimpleNamespace(train_state=types.SimpleNamespace(params=params))
+    got = host_params(trainer)
+    assert got.keys() == params.keys() and all(type(v) is np.ndarray for v in got.values())
+    np.testing.assert_array_equal(got["net/w"], [0.0, 1.0, 2.0, 3.0])
+    rec = Record()
+    rec.on_fit_start(trainer, None)
+    assert rec.start_params.keys() == params.keys() and type(rec.start_params["net/w"]) is np.ndarray
+    assert rec.start_shardings == {k: v.sharding for k, v in params.items()}
+    rec.on_train_batch_end(trainer, None, {"loss": params["net/w"][1]}, None, 0)
+    assert len(rec.losses) == 1 and float(rec.losses[0]) == 1.0  # kept as given (a device scalar)
