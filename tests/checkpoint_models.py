@@ -7,6 +7,7 @@ import optax
 from flax import nnx
 
 import jaxlight as jl
+from tests.helpers import host_params, quiet  # noqa: F401 - host_params re-exported: tests import it from here
 
 
 class Net(nnx.Module):
@@ -67,15 +68,7 @@ def trainer(dirpath: str, callbacks=(), every_n_train_steps: int = 2, **kw) -> j
     kw.setdefault("max_steps", 10)
     kw.setdefault("accumulate_grad_batches", 2)
     ckpt = jl.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_last="link")
-    return jl.Trainer(
-        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, ckpt], **kw
-    )
-
-
-def host_params(trainer: jl.Trainer) -> dict[str, np.ndarray]:
-    import jax
-
-    return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
+    return jl.Trainer(callbacks=[*callbacks, ckpt], **quiet(enable_checkpointing=None, num_sanity_val_steps=None, **kw))
 
 
 class NormNet(nnx.Module):
@@ -134,10 +127,6 @@ def norm_trainer(max_steps: int, callbacks=(), **kw) -> jl.Trainer:
     """The fixture's trainer: no checkpoint callback (checkpoints are written with trainer.save_checkpoint)."""
     return jl.Trainer(
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[jl.callbacks.EMA(decay=0.9), *callbacks],
-        **kw,
+        **quiet(num_sanity_val_steps=None, **kw),
     )

@@ -19,6 +19,7 @@ The XLA_FLAGS of the parent (8 simulated CPU devices, from tests/conftest.py) ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -70,7 +71,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jaxlight.compile_cache import cache_stats  # noqa: E402
-from tests.strategy_models import LM, Losses, token_batches  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import Losses  # noqa: E402
+from tests.strategy_models import LM, token_batches  # noqa: E402
 
 
 class LMV(LM):
@@ -82,16 +85,8 @@ class LMV(LM):
         self.log("val_loss", optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean())
 
 
-def quiet(**kw):
-    base = dict(
-        max_epochs=1,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return {**base, **kw}
+# the shared quiet Trainer arguments, every fit here one epoch
+quiet = functools.partial(helpers.quiet, max_epochs=1)
 
 
 def cache_arg(text: str):
@@ -118,7 +113,7 @@ if scenario == "train":
     strategy = args[2] if len(args) > 2 else "auto"
     trainer = jl.Trainer(strategy=strategy, devices=devices, compile_cache=cache_arg(args[0]), **quiet())
     model, cb = fit(trainer)
-    params = {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
+    params = helpers.host_params(trainer)
     np.savez(out.replace(".json", ".npz"), **params)
     result.update(
         compile_cache=trainer.compile_cache,

@@ -9,6 +9,7 @@ import optax
 from flax import nnx
 
 import jaxlight as jl
+from tests.helpers import quiet  # noqa: F401 - re-exported: the test files import it from here
 
 IN, HID, OUT = 8, 16, 4
 
@@ -118,19 +119,6 @@ def max_diff(a, b) -> float:
     lb = [_leaf(v) for v in jax.tree.leaves(b, is_leaf=lambda v: isinstance(v, nnx.Variable))]
     assert len(la) == len(lb), (len(la), len(lb))
     return max(float(np.max(np.abs(u - v))) for u, v in zip(la, lb))
-
-
-def quiet(**kw):
-    """Trainer kwargs without progress bar, summary, loggers or checkpoints, unless given."""
-    base = dict(
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-    )
-    base.update(kw)
-    return base
 
 
 class EagerClassifier(Classifier):

@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from jaxlight.data import data_partition  # noqa: E402
-from tests.strategy_models import LM, Losses, token_batches  # noqa: E402
+from tests.helpers import Losses  # noqa: E402
+from tests.strategy_models import LM, token_batches  # noqa: E402
 
 assert jax.process_count() == nproc and jax.device_count() == 4 * nproc and jax.local_device_count() == 4
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -20,7 +19,6 @@ __all__ = [
     "StackLM",
     "collectives",
     "crosses_stage",
-    "flat_params",
     "keep_first_grad",
     "token_batches",
 ]
@@ -108,10 +106,6 @@ class PipeLM(jl.LightningModule):
 
     def configure_optimizers(self):
         return optax.chain(keep_first_grad(), optax.sgd(self.hparams.lr, momentum=self.hparams.momentum))
-
-
-def flat_params(trainer: jl.Trainer) -> dict[str, np.ndarray]:
-    return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
 
 
 # ---------------------------------------------------------------------------- reading the HLO

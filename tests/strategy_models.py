@@ -122,16 +122,6 @@ class LM(jl.LightningModule):
         return optax.chain(keep_first_grad(), adam) if self.hparams.opt == "adam+grad" else adam
 
 
-class Losses(jl.Callback):
-    """Records each train step's loss (a device scalar) without syncing."""
-
-    def __init__(self) -> None:
-        self.losses: list = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
-
-
 def token_batches(n_batches: int, batch: int, seq: int = 9, vocab: int = 256, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [{"tokens": rng.integers(0, vocab, size=(batch, seq)).astype(np.int32)} for _ in range(n_batches)]

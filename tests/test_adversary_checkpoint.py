@@ -10,6 +10,7 @@ reported small.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -27,15 +28,14 @@ import pytest
 import jaxlight as jl
 from jaxlight.checkpoint import run_state
 from tests.checkpoint_models import DropoutClassifier, arrays
+from tests.helpers import quiet
 
 HERE = pathlib.Path(__file__).resolve().parent
 MC = jl.callbacks.ModelCheckpoint
 
 
-def _quiet(**kw) -> dict:
-    return dict(
-        devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw
-    )
+# one device; checkpointing left to the Trainer's default (the tests give their own ModelCheckpoint)
+_quiet = functools.partial(quiet, devices=1, enable_checkpointing=None)
 
 
 def _data(n_batches: int = 4, nan_from: int | None = None) -> list:

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from jaxlight.data import BatchError
 from tests.adversary_loop_worker import Loader
 from tests.checkpoint_models import DropoutClassifier, arrays
 from tests.core_models import EagerClassifier, quiet
+from tests.helpers import free_port, wait_for_files
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "adversary_loop_worker.py")
@@ -203,17 +203,11 @@ def test_main_thread_blocked_in_the_loader_exits_at_stop_timeout_or_at_a_second_
     assert "PREEMPTED" not in timed.out  # no checkpoint: the state was not at a stop point
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sigterm_while_a_collective_waits_on_a_dead_peer_names_the_dead_process(tmp_path):
     """Process 1 is killed (-9) after batch 3; process 0 blocks in the next step's collective. Before, its
     SIGTERM was never handled (the main thread never returns to Python); now it exits 143, naming process 1."""
-    port = _free_port()
+    port = free_port()
     procs = [
         Proc(WORKER, str(tmp_path), json.dumps({"mp": [i, 2, port], "max_steps": 40, "die_at": 3 if i else None}))
         for i in range(2)
@@ -243,14 +237,6 @@ def _launch_env() -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu"}
 
 
-def _wait_files(paths: list[Path], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {[str(p) for p in paths if not p.exists()]}")
-        time.sleep(0.05)
-
-
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -268,7 +254,7 @@ def test_launch_kills_processes_ignoring_a_forwarded_sigterm_after_one_grace_per
         env=_launch_env(),
     )
     try:
-        _wait_files([tmp_path / f"rank_{i}.json" for i in range(2)])
+        wait_for_files([tmp_path / f"rank_{i}.json" for i in range(2)])
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=30)

@@ -19,6 +19,7 @@ import jaxlight as jl
 from jaxlight.errors import MisconfigurationError
 from jaxlight.planner import CANDIDATES, HEADROOM, NoStrategyFits, choose_strategy, parse_memory, peek_first_batch
 from jaxlight.strategies import FSDP, DataParallel, HostOffload, resolve_strategy
+from tests.helpers import quiet
 from tests.verify_models import CenteredLM, batches
 
 DATA = batches(2)
@@ -43,10 +44,7 @@ def _fit(device_memory, callbacks=(), summary=True):
         devices=8,
         max_steps=1,
         callbacks=list(callbacks),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=summary,
+        **quiet(enable_model_summary=summary, num_sanity_val_steps=None),
     )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

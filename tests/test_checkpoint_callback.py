@@ -9,6 +9,7 @@ import pytest
 
 import jaxlight as jl
 from tests.checkpoint_models import DropoutClassifier, arrays
+from tests.helpers import quiet
 
 SCORES = (0.5, 0.3, 0.4, 0.1, 0.35)
 EPOCHS = len(SCORES)
@@ -29,14 +30,7 @@ def _data():
 
 def _fit(callbacks, max_epochs=EPOCHS, ckpt_path=None):
     train, val = _data()
-    t = jl.Trainer(
-        max_epochs=max_epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-    )
+    t = jl.Trainer(max_epochs=max_epochs, callbacks=callbacks, **quiet(enable_checkpointing=None))
     t.fit(Scored(), train, val, ckpt_path=ckpt_path)
     return t
 

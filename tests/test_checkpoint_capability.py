@@ -17,6 +17,7 @@ import pytest
 import jaxlight as jl
 from jaxlight.state import path_str
 from tests.checkpoint_models import NormRegressor, norm_batches
+from tests.helpers import quiet
 
 PACKAGE = pathlib.Path(jl.__file__).parent / "checkpoint"
 
@@ -58,15 +59,8 @@ class EveryStep(jl.Callback):
 
 
 def _trainer(cb: jl.Callback, max_steps: int) -> jl.Trainer:
-    return jl.Trainer(
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        # no default ModelCheckpoint beside it (the trainer still adds one unless a ModelCheckpoint is given)
-        enable_checkpointing=False,
-        callbacks=[cb],
-    )
+    # quiet(): no default ModelCheckpoint beside it either (the trainer adds one unless a ModelCheckpoint is given)
+    return jl.Trainer(max_steps=max_steps, callbacks=[cb], **quiet(num_sanity_val_steps=None))
 
 
 def test_last_and_best_come_from_a_checkpoint_callback_of_its_own(tmp_path):

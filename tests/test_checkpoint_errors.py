@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -13,6 +14,10 @@ from flax import nnx
 
 import jaxlight as jl
 from tests.checkpoint_models import DropoutClassifier, arrays, host_params
+from tests.helpers import quiet
+
+# checkpointing and sanity validation left to the Trainer's defaults
+_quiet = functools.partial(quiet, enable_checkpointing=None, num_sanity_val_steps=None)
 
 
 def _data():
@@ -29,10 +34,8 @@ def saved(tmp_path_factory):
     try:
         t = jl.Trainer(
             max_epochs=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(d / "ck"), save_last=True)],
+            **_quiet(),
         )
         t.fit(DropoutClassifier(hidden=16), _data())
         t.save_checkpoint(str(d / "manual.ckpt"))  # Lightning's trainer.save_checkpoint, after fit
@@ -68,7 +71,7 @@ def test_load_from_checkpoint_for_inference(saved):
 def test_validate_with_ckpt_path_uses_checkpoint_weights(saved):
     path, params = saved
     x, y = arrays(32)
-    t = jl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    t = jl.Trainer(**_quiet())
     fresh = DropoutClassifier(hidden=16)
     out = t.validate(fresh, [(x[:8], y[:8])], ckpt_path=path, verbose=False)
     ref = DropoutClassifier.load_from_checkpoint(path)
@@ -101,10 +104,8 @@ def test_last_without_checkpoint_says_where_it_looked(tmp_path):
     d = tmp_path / "nothing"
     t = jl.Trainer(
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(d))],
+        **_quiet(),
     )
     # Lightning warns and trains from scratch when ckpt_path="last" finds nothing
     with pytest.warns(UserWarning, match=r"ckpt_path='last': no complete checkpoint found in \['.*nothing'\]"):
@@ -122,10 +123,8 @@ def test_partial_and_corrupt_directories(saved, tmp_path):
         DropoutClassifier.load_from_checkpoint(str(tmp))
     t = jl.Trainer(
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"))],
+        **_quiet(),
     )
     with pytest.warns(UserWarning, match="incomplete \\(never committed\\) saves there"):
         t.fit(DropoutClassifier(), _data(), ckpt_path="last")
@@ -152,10 +151,8 @@ def test_partial_and_corrupt_directories(saved, tmp_path):
 def test_weights_only_checkpoint_cannot_resume_fit(tmp_path):
     t = jl.Trainer(
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_weights_only=True)],
+        **_quiet(),
     )
     t.fit(DropoutClassifier(), _data())
     path = t.checkpoint_callback.best_model_path
@@ -164,8 +161,6 @@ def test_weights_only_checkpoint_cannot_resume_fit(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(m.net.l1.kernel[...]), np.asarray(jax.device_get(t.train_state.params["net/l1/kernel"]))
     )
-    t2 = jl.Trainer(
-        max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
-    )
+    t2 = jl.Trainer(max_epochs=2, enable_checkpointing=False, **_quiet())
     with pytest.raises(jl.CheckpointError, match="only the model weights"):
         t2.fit(DropoutClassifier(), _data(), ckpt_path=path)

@@ -4,30 +4,15 @@ losses as the run that never stopped."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 import jaxlight as jl
+from tests.helpers import Record, quiet
 from tests.strategy_models import LM, token_batches
 
 DIMS = dict(vocab=64, embed=64, heads=4, mlp=64, layers=1)
 STEPS, SPLIT = 6, 3
-
-
-class Record(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list = []
-        self.start_params: dict | None = None
-        self.start_shardings: dict | None = None
-
-    def on_fit_start(self, trainer, module):
-        st = trainer.train_state
-        self.start_params = {k: np.asarray(jax.device_get(v)) for k, v in st.params.items()}
-        self.start_shardings = {k: v.sharding for k, v in st.params.items()}
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
 
 
 def _fit(strategy, devices, max_steps, dirpath=None, ckpt_path=None):
@@ -39,11 +24,8 @@ def _fit(strategy, devices, max_steps, dirpath=None, ckpt_path=None):
         strategy=strategy,
         devices=devices,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=dirpath is not None,
         callbacks=cbs,
+        **quiet(enable_checkpointing=dirpath is not None, num_sanity_val_steps=None),
     )
     t.fit(LM(**DIMS), token_batches(STEPS, 16, vocab=DIMS["vocab"]), ckpt_path=ckpt_path)
     return t, rec

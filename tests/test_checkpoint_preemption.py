@@ -12,7 +12,6 @@ import queue
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 import jaxlight as jl
+from tests.helpers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -156,14 +156,8 @@ def test_kill_9_during_async_saves_resumes_from_last_complete_checkpoint(tmp_pat
     _assert_same(_params(os.path.join(run_dir, "params.npz")), _params(os.path.join(ref_dir, "params.npz")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _pair(out: str, **opts) -> list[Proc]:
-    port = str(_free_port())
+    port = str(free_port())
     return [
         Proc([os.path.join(HERE, "checkpoint_mp_worker.py"), str(i), "2", port, out, json.dumps(opts)])
         for i in range(2)

@@ -12,6 +12,7 @@ import pytest
 
 import jaxlight as jl
 from tests.checkpoint_models import DropoutClassifier, arrays, host_params, stateful_loader, trainer
+from tests.helpers import SignalAt
 
 MAX_STEPS = 10  # with accumulate_grad_batches=2 and 8 batches per epoch: 20 batches, 2.5 epochs
 
@@ -21,17 +22,6 @@ def _loader(kind: str):
         return stateful_loader()
     x, y = arrays()
     return [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]  # a plain re-iterable: resumed by skipping
-
-
-class SignalAt(jl.Callback):
-    """Sends SIGTERM to this process after micro-batch ``at`` (the handler only sets a flag)."""
-
-    def __init__(self, at: int, sig: int = signal.SIGTERM) -> None:
-        self.at, self.sig = at, sig
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.position.micro_batches == self.at:
-            os.kill(os.getpid(), self.sig)
 
 
 class Count(jl.Callback):

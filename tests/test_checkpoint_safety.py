@@ -9,6 +9,7 @@ malformed metadata are refused with a ``CheckpointError`` naming the file, and n
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import pathlib
@@ -27,13 +28,14 @@ import jaxlight as jl
 from jaxlight import serialization
 from tests.checkpoint_models import DropoutClassifier, arrays, host_params, stateful_loader
 from tests.checkpoint_safety_common import RichState, TypedHparams, no_pickle, rich_state, same
+from tests.helpers import free_port, quiet
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_STEPS = 10  # accumulate 2, 8 batches per epoch: 20 micro-batches, 2.5 epochs
 
 
-def _quiet(**kw) -> dict:
-    return dict(logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+# checkpointing and sanity validation left to the Trainer's defaults
+_quiet = functools.partial(quiet, enable_checkpointing=None, num_sanity_val_steps=None)
 
 
 def _data(n: int = 32):
@@ -388,12 +390,12 @@ def test_two_processes_resume_without_pickle_bit_identical(tmp_path):
     """Two jax.distributed processes, each with its own shuffled StatefulDataLoader (process_local_batches),
     Adam, EMA and a stateful callback: the loader states are gathered as JSON; resuming from a mid-run
     checkpoint with pickle disabled in both workers ends bit-identical to the uninterrupted run."""
-    from tests.test_checkpoint_preemption import Proc, _free_port
+    from tests.test_checkpoint_preemption import Proc
 
     worker = os.path.join(ROOT, "tests", "checkpoint_safety_worker.py")
 
     def pair(out, **opts):
-        port = str(_free_port())
+        port = str(free_port())
         procs = [Proc([worker, str(i), "2", port, str(out), json.dumps(opts)]) for i in range(2)]
         rcs = [p.finish() for p in procs]
         assert rcs == [0, 0], [p.output()[-3000:] for p in procs]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import compile_cache as cc
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "compile_cache_worker.py"
@@ -227,12 +227,6 @@ def test_a_cache_the_user_configured_in_jax_is_respected(tmp_path):
     assert user.is_dir() and not list(user.glob("*.xla"))  # JAX's own store, not jaxlight's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_multi_process_run_writes_from_process_zero_only(tmp_path):
     """Two jax.distributed processes share one cache directory: only process 0 writes (JAX's rule), the next
@@ -240,7 +234,7 @@ def test_multi_process_run_writes_from_process_zero_only(tmp_path):
     cache = tmp_path / "cache"
 
     def launch(tag: str) -> list[dict]:
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
         env[cc.ENV_DIR] = str(tmp_path / "default-cache")
         procs = [

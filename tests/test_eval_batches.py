@@ -5,6 +5,8 @@ are settled before the first step."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -14,6 +16,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight.data import BatchError, batch_mask
 from jaxlight.loaders import is_loader_collection
+from tests import helpers
 
 IN = 5
 
@@ -64,12 +67,8 @@ def batches(x, y, bs):
     return [(x[i : i + bs], y[i : i + bs]) for i in range(0, len(x), bs)]
 
 
-def quiet(**kw):
-    base = dict(
-        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False, devices=1
-    )
-    base.update(kw)
-    return base
+# one device; sanity validation left to the Trainer's default
+quiet = functools.partial(helpers.quiet, devices=1, num_sanity_val_steps=None)
 
 
 def full_loss(model, x, y):

@@ -4,9 +4,6 @@ resumed ends bit-identical to one that never stopped."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import jax
 import numpy as np
 import pytest
@@ -14,6 +11,7 @@ import pytest
 import jaxlight as jl
 from tests.core_models import quiet
 from tests.expert_models import ExpertLM, token_batches
+from tests.helpers import SignalAt
 
 STEPS = 4
 
@@ -58,17 +56,6 @@ def test_checkpoint_moves_between_ep_fsdp_and_one_device_exactly(tmp_path):
             assert tuple(w.sharding.spec) == ("expert",) and shard == (1, 64, 128)
         path = str(tmp_path / f"{i}-{strategy}.ckpt")
         r.save_checkpoint(path)
-
-
-class SignalAt(jl.Callback):
-    """Sends SIGTERM to this process after micro-batch ``at`` (the handler only sets a flag)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.position.micro_batches == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_preemption_and_resume_under_ep_are_bit_identical(tmp_path):

@@ -27,6 +27,7 @@ from jaxlight.strategies import FSDP, ExpertParallel, PipelineParallel, Sequence
 from jaxlight.summary import per_device_bytes
 from tests.core_models import quiet
 from tests.expert_models import ExpertLM, Outputs, token_batches
+from tests.helpers import Losses, host_params
 
 TOL = 1e-5
 SP = ExpertParallel() + SequenceParallel(batch_dims={"tokens": None})  # positions of the activations split
@@ -63,10 +64,6 @@ def capacity_runs():
     return {name: _fit(strategy, devices, data, capacity_factor=1.0) for name, (strategy, devices) in CAPACITY.items()}
 
 
-def _params(trainer) -> dict[str, np.ndarray]:
-    return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.params.items()}
-
-
 def _first_grads(trainer) -> dict[str, np.ndarray]:
     return {k: np.asarray(jax.device_get(v)) for k, v in trainer.train_state.opt_state[0]["grad"].items()}
 
@@ -81,7 +78,7 @@ def _assert_matches(ref, got) -> None:
     assert max(float(np.abs(g).max()) for k, g in rg.items() if "moe" in k) > 1e-3  # the experts do learn
     for k in rg:
         assert float(np.abs(gg[k] - rg[k]).max()) <= TOL, k
-    rp, gp = _params(ref_t), _params(t)
+    rp, gp = host_params(ref_t), host_params(t)
     for k in rp:
         assert float(np.abs(gp[k] - rp[k]).max()) <= TOL, k
 
@@ -303,14 +300,6 @@ def test_gpt_example_with_moe_learns_under_ep():
     losses = np.asarray([float(x) for x in cb.losses])
     assert len(losses) == 10 and losses[-3:].mean() < losses[0] - 0.5, losses  # from ln 256 = 5.55 down
     assert 0.5 < float(trainer.callback_metrics["load_balance"]) < 8  # logged; 8 = every token on one expert
-
-
-class Losses(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
 
 
 def test_verify_runs_the_expert_strategies_for_an_moe_model(monkeypatch):

@@ -27,16 +27,9 @@ from flax import nnx, struct
 import jaxlight as jl
 from jaxlight.strategies import FSDP, Strategy, TensorParallel
 from tests.core_models import quiet
+from tests.helpers import Losses
 
 EPOCHS, BATCHES, ROWS = 2, 3, 16
-
-
-class Losses(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
 
 
 def flat(tree: Any) -> dict[str, np.ndarray]:
@@ -60,7 +53,7 @@ class Program:
 
 
 def fit(p: Program, strategy: Any = "auto", devices: int = 1, **kw) -> tuple[jl.Trainer, Any, list[float]]:
-    cb = Losses()
+    cb = Losses(as_float=True)
     module = p.module()
     with warnings.catch_warnings():
         # a strategy axis left without parameters is warned about (biases below min_shard, fsdp+tp's tensor
@@ -516,7 +509,7 @@ def test_resumes_bit_identically_mid_epoch(p, tmp_path):
     first = jl.Trainer(max_steps=stop, devices=1, callbacks=[ckpt], **quiet(enable_checkpointing=True))
     first.fit(p.module(), p.loader())
     ckpt.wait_until_finished()
-    cb = Losses()
+    cb = Losses(as_float=True)
     second = jl.Trainer(max_epochs=EPOCHS, devices=1, callbacks=[cb], **quiet())
     module = p.module()
     second.fit(module, p.loader(), ckpt_path=str(tmp_path / "last.ckpt"))

@@ -38,7 +38,8 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight.strategies import FSDP, TensorParallel
 from tests.core_models import quiet
-from tests.test_gallery_jax import BATCHES, EPOCHS, ROWS, Losses, flat, images, max_diff
+from tests.helpers import Losses
+from tests.test_gallery_jax import BATCHES, EPOCHS, ROWS, flat, images, max_diff
 
 LR, MOMENTUM = 0.005, 0.9
 
@@ -154,7 +155,7 @@ def hand_loop():
 
 
 def fit(strategy="auto", devices=1, **kw):
-    cb = Losses()
+    cb = Losses(as_float=True)
     module = NNXMNIST()
     with warnings.catch_warnings():
         # fsdp+tp's tensor axis holds nothing on this unannotated CNN (tests/test_annotations.py checks that warning)
@@ -227,7 +228,7 @@ def test_nnx_cnn_resumes_bit_identically_mid_epoch(tmp_path):
     first = jl.Trainer(max_steps=stop, devices=1, callbacks=[ckpt], **quiet(enable_checkpointing=True))
     first.fit(NNXMNIST(), train_batches(), eval_batches())
     ckpt.wait_until_finished()
-    cb = Losses()
+    cb = Losses(as_float=True)
     second = jl.Trainer(max_epochs=EPOCHS, devices=1, callbacks=[cb], **quiet())
     module = NNXMNIST()
     second.fit(module, train_batches(), eval_batches(), ckpt_path=str(tmp_path / "last.ckpt"))

@@ -32,6 +32,7 @@ import yaml
 from jaxlight import distributed
 from jaxlight.cli import main as cli_main
 from jaxlight.launch import LaunchError, child_env, device_assignment, visible_gpus
+from tests.helpers import free_port, wait_for_files
 from tests.xla_flags import codegen_flags, cpu_xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,14 +48,6 @@ def _clean_env(**extra: str) -> dict[str, str]:
     env.update(JAX_PLATFORMS="cpu", TQDM_DISABLE="1", XLA_FLAGS=codegen_flags())
     env.update(extra)
     return env
-
-
-def _wait_for(paths: list[Path], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {[str(p) for p in paths if not p.exists()]}")
-        time.sleep(0.05)
 
 
 # ============================================================================ environment (no processes)
@@ -156,7 +149,7 @@ def test_signals_to_the_launcher_reach_every_process(tmp_path, sig):
         env=_clean_env(),
     )
     try:
-        _wait_for([tmp_path / f"rank_{i}.json" for i in range(2)])
+        wait_for_files([tmp_path / f"rank_{i}.json" for i in range(2)])
         p.send_signal(sig)
         out, err = p.communicate(timeout=60)
     finally:
@@ -172,7 +165,7 @@ def test_signals_to_the_launcher_reach_every_process(tmp_path, sig):
 def test_processes_die_with_a_killed_launcher(tmp_path):
     p = subprocess.Popen([*LAUNCH, "--nprocs", "2", CHILD, "wait", str(tmp_path)], env=_clean_env())
     try:
-        _wait_for([tmp_path / f"rank_{i}.json" for i in range(2)])
+        wait_for_files([tmp_path / f"rank_{i}.json" for i in range(2)])
     finally:
         p.kill()  # SIGKILL: no chance to forward anything
         p.wait()
@@ -458,7 +451,7 @@ def test_kubernetes_indexed_job_pods_run_as_local_processes(tmp_path, one_proces
     n = job["spec"]["completions"]
     container = job["spec"]["template"]["spec"]["containers"][0]
     bin_dir = _python_shim(tmp_path)
-    port = _free_port()
+    port = free_port()
     procs = []
     for index in range(n):
         # what Kubernetes gives pod `index`: the container's env (the fieldRef resolved to the completion
@@ -492,9 +485,3 @@ def test_kubernetes_indexed_job_pods_run_as_local_processes(tmp_path, one_proces
         assert p.returncode == 0, out[-4000:]
     _check_like_reference(tmp_path / "rec", one_process_8_devices)
     assert _config_saved_once(tmp_path / "root")["trainer"]["num_nodes"] == 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]

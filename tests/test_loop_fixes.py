@@ -5,6 +5,7 @@ smaller fixes (frozen modules, hparams checked at fit start, ``ckpt_path="last"`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -19,6 +20,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight.checkpoint import CheckpointError
+from tests import helpers
 
 IN = 4
 
@@ -52,17 +54,7 @@ class Lin(jl.LightningModule):
         return optax.sgd(self.hparams.lr)
 
 
-def quiet(**kw):
-    base = dict(
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-        devices=1,
-        num_sanity_val_steps=0,
-    )
-    base.update(kw)
-    return base
+quiet = functools.partial(helpers.quiet, devices=1)
 
 
 def kernel(module) -> np.ndarray:

@@ -9,6 +9,7 @@ from flax import nnx
 
 import jaxlight as jl
 from tests.core_models import max_diff, quiet
+from tests.helpers import Losses
 
 Z, HID = 4, 32
 
@@ -127,18 +128,10 @@ def params_of(model):
     return nnx.state(model.gen, nnx.Param), nnx.state(model.disc, nnx.Param)
 
 
-class Record(jl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append((float(outputs["d_loss"]), float(outputs["loss"])))
-
-
 @pytest.mark.parametrize("every", [1, 2])
 def test_alternating_updates_equal_a_hand_written_loop(every):
     data = gan_data()
-    rec = Record()
+    rec = Losses(("d_loss", "loss"), as_float=True)
     model = GAN(every=every)
     trainer = jl.Trainer(max_epochs=1, devices=1, callbacks=[rec], **quiet())
     trainer.fit(model, data)

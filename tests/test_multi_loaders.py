@@ -4,6 +4,8 @@ dict (or prediction list) per loader, one compiled step per loader."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -12,6 +14,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight.data import batch_mask
+from tests import helpers
 
 IN = 4
 
@@ -70,12 +73,8 @@ class Multi(jl.LightningModule):
         return optax.sgd(0.01)
 
 
-def quiet(**kw):
-    base = dict(
-        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False, devices=1
-    )
-    base.update(kw)
-    return base
+# one device; sanity validation left to the Trainer's default (some tests count those batches)
+quiet = functools.partial(helpers.quiet, devices=1, num_sanity_val_steps=None)
 
 
 def loss_of(model, xy):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,20 +17,15 @@ import pytest
 
 import jaxlight as jl
 from tests.core_models import quiet
-from tests.strategy_models import LM, Losses, token_batches
+from tests.helpers import Losses, free_port
+from tests.strategy_models import LM, token_batches
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, nproc: int = 2, timeout: float = 400.0) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     procs = [
         subprocess.Popen(

@@ -10,8 +10,6 @@ the epoch and at its end (``ragged_batches="keep"``), which end executions early
 from __future__ import annotations
 
 import math
-import os
-import signal
 import warnings
 
 import jax
@@ -24,6 +22,7 @@ from jaxlight.callbacks import EMA, LearningRateMonitor, ModelCheckpoint, NonFin
 from jaxlight.multistep import ExecutionPlan
 from tests.checkpoint_models import DropoutClassifier, host_params
 from tests.core_models import IN, OUT, Classifier, quiet
+from tests.helpers import Losses, SignalAt
 from tests.test_manual_optimization import GAN, gan_data
 
 N = 4
@@ -234,24 +233,13 @@ def test_manual_optimization_is_supported():
     assert runs[1].global_step == runs[0].global_step == 6 and runs[1].compile_counts["train"] == 1
 
 
-class SignalAt(jl.Callback):
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.position.micro_batches == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _resume_trainer(dirpath, n, callbacks=()):
     ckpt = ModelCheckpoint(dirpath=dirpath, save_last="link")  # epoch ends; the preemption save in between
     return jl.Trainer(
         max_epochs=2,
         steps_per_execution=n,
         callbacks=[*callbacks, EMA(decay=0.9), ckpt],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **quiet(enable_checkpointing=None, num_sanity_val_steps=None),
     )
 
 
@@ -378,21 +366,14 @@ def test_held_nnx_state_and_epoch_hook_writes_match_single_steps_and_inner_write
     # execution's last batch would silently miss the batches after it, so it is refused by name
     from tests.test_nnx_state import TRAIN, VAL, Held, Record
 
-    class Losses(jl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-
     def run(n, cb):
         module = Held()
         trainer = jl.Trainer(max_epochs=2, devices=1, steps_per_execution=n, callbacks=[cb], **quiet())
         trainer.fit(module, TRAIN, VAL)
         return module, trainer, cb
 
-    m1, t1, c1 = run(1, Losses())
-    m3, t3, c3 = run(3, Losses())
+    m1, t1, c1 = run(1, Losses(as_float=True))
+    m3, t3, c3 = run(3, Losses(as_float=True))
     assert c3.losses == c1.losses and len(c1.losses) == 6
     assert m3.epochs == m1.epochs and m3.val_epochs == m1.val_epochs  # the epoch-end reset reached epoch 2
     assert int(m3.rngs.dropout.count[...]) == int(m1.rngs.dropout.count[...]) == 6

@@ -19,6 +19,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight.strategies.placement import LayoutError
 from tests.core_models import quiet, xent
+from tests.helpers import Losses
 
 eqx = pytest.importorskip("equinox")
 
@@ -110,16 +111,8 @@ def hand_loop(batches):
     return model, state, losses
 
 
-class Losses(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def fit(strategy="auto", devices=1, **wrap):
-    cb = Losses()
+    cb = Losses(as_float=True)
     module = EqxClassifier(**wrap)
     trainer = jl.Trainer(max_epochs=1, devices=devices, strategy=strategy, callbacks=[cb], **quiet())
     trainer.fit(module, data())
@@ -199,7 +192,7 @@ def test_equinox_bf16_mixed_keeps_fp32_masters_and_state(single):
     """Equinox's BatchNorm does not promote dtypes: the wrapper runs the state in the compute dtype and
     stores it back in its own."""
     _, ref_module, _ = single
-    cb = Losses()
+    cb = Losses(as_float=True)
     module = EqxClassifier()
     trainer = jl.Trainer(max_epochs=1, precision="bf16-mixed", callbacks=[cb], **quiet())
     trainer.fit(module, data())

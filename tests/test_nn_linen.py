@@ -18,6 +18,7 @@ from flax import nnx
 
 import jaxlight as jl
 from tests.core_models import quiet, xent
+from tests.helpers import Losses
 
 STEPS, BATCH = 5, 16
 TX = lambda: optax.sgd(0.05, momentum=0.9)
@@ -102,16 +103,8 @@ def hand_loop(batches):
     return {"params": params, "batch_stats": stats}, losses
 
 
-class Losses(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def fit(strategy="auto", devices=1, explicit_train=False, val=False):
-    cb = Losses()
+    cb = Losses(as_float=True)
     model = LinenCNN(explicit_train)
     trainer = jl.Trainer(max_epochs=1, devices=devices, strategy=strategy, callbacks=[cb], **quiet())
     batches = data()

@@ -25,6 +25,7 @@ import jaxlight as jl
 from jaxlight.errors import MisconfigurationError
 from tests.checkpoint_models import NormRegressor, norm_batches, norm_trainer
 from tests.core_models import quiet
+from tests.helpers import Losses
 
 EPOCHS = 2
 rng = np.random.default_rng(0)
@@ -102,17 +103,17 @@ class Held(jl.LightningModule):
         return optax.adam(1e-2)
 
 
-class Record(jl.Callback):
-    """Each step's loss and the dropout stream's count the module shows after it; sets ``seen`` to 100
+class Record(Losses):
+    """Each step's loss (a float) and the dropout stream's count the module shows after it; sets ``seen`` to 100
     after the second batch (a host write in a per-batch hook)."""
 
     def __init__(self):
-        self.losses: list[float] = []
+        super().__init__(as_float=True)
         self.counts: list[int] = []
         self.val_logged: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+        self.record(outputs)
         if isinstance(module, Held):
             self.counts.append(int(module.rngs.dropout.count[...]))
             if trainer.global_step == 2:

@@ -17,6 +17,7 @@ import jaxlight as jl
 from jaxlight.data import BatchPlacer
 from jaxlight.strategies import DataParallel, HostOffload
 from jaxlight.strategies.placement import PlacementWarning
+from tests.helpers import quiet
 from tests.strategy_models import LM, token_batches
 from tests.test_strategies_offload import DIMS, _fit, _kinds, _leaves
 
@@ -121,15 +122,7 @@ class ClipAfterAdam(LM):
 def test_an_update_mixing_groups_is_fetched_at_once_with_a_warning_and_stays_exact():
     def run(strategy):
         model = ClipAfterAdam(**DIMS)
-        trainer = jl.Trainer(
-            strategy=strategy,
-            devices=8,
-            max_steps=3,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            logger=False,
-            enable_checkpointing=False,
-        )
+        trainer = jl.Trainer(strategy=strategy, devices=8, max_steps=3, **quiet(num_sanity_val_steps=None))
         trainer.fit(model, token_batches(3, 16, vocab=32))
         return trainer
 

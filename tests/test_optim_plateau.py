@@ -11,6 +11,7 @@ from optax.contrib import ReduceLROnPlateauState
 import jaxlight as jl
 from jaxlight.callbacks import LearningRateMonitor
 from tests.core_models import EagerClassifier, batches, initial_state, make_data, max_diff, quiet, xent
+from tests.helpers import Losses
 
 DATA = batches(*make_data(64), 16)  # 4 batches
 LR = 0.1
@@ -119,18 +120,15 @@ def test_epoch_plateau_equals_sgd_with_the_scales_optax_computes(form):
 
 
 def test_step_interval_plateau_steps_after_every_second_batch():
-    losses = []
-
-    class Rec(jl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
+    rec = Losses(as_float=True)
+    losses = rec.losses
 
     returned = lambda: {
         "optimizer": optax.sgd(LR),
         "lr_scheduler": {"scheduler": plateau(), "monitor": "train_const", "interval": "step", "frequency": 2},
     }
     model = Monitored(returned)
-    trainer = jl.Trainer(max_epochs=2, devices=1, callbacks=[Rec()], **quiet())
+    trainer = jl.Trainer(max_epochs=2, devices=1, callbacks=[rec], **quiet())
     trainer.fit(model, DATA)
     # the stalled metric is fed after every second batch: the plateau really cuts the rate on the way
     fed = [1.0 for i in range(len(losses)) if (i % len(DATA) + 1) % 2 == 0]

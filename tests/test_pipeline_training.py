@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
-import signal
 
 import jax
 import numpy as np
@@ -23,7 +21,8 @@ import jaxlight as jl
 from jaxlight.strategies import FSDP, HostOffload, TensorParallel
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.summary import per_device_bytes
-from tests.pipeline_models import DIMS, PipeLM, collectives, crosses_stage, flat_params, token_batches
+from tests.helpers import Record, SignalAt, host_params, quiet
+from tests.pipeline_models import DIMS, PipeLM, collectives, crosses_stage, token_batches
 from tests.strategy_models import LM
 
 TOL = 1e-5
@@ -39,30 +38,9 @@ CONFIGS = {
 
 
 def _trainer(strategy, devices, callbacks=(), **kw):
-    kw.setdefault("logger", False)
-    kw.setdefault("enable_checkpointing", False)
     return jl.Trainer(
-        strategy=strategy,
-        devices=devices,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-        **kw,
+        strategy=strategy, devices=devices, callbacks=list(callbacks), **quiet(num_sanity_val_steps=None, **kw)
     )
-
-
-class Record(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list = []
-        self.start: dict[str, np.ndarray] | None = None
-        self.start_shardings: dict | None = None
-
-    def on_fit_start(self, trainer, module):
-        self.start = flat_params(trainer)
-        self.start_shardings = {k: v.sharding for k, v in trainer.train_state.params.items()}
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +66,7 @@ def test_losses_and_parameters_match_one_device(runs, name):
     t, losses = runs[name]
     assert len(losses) == len(ref_losses) == 3
     np.testing.assert_allclose(losses, ref_losses, atol=TOL, rtol=0)
-    ref, got = flat_params(ref_t), flat_params(t)
+    ref, got = host_params(ref_t), host_params(t)
     assert ref.keys() == got.keys()
     worst = max(float(np.abs(ref[k] - got[k]).max()) for k in ref)
     assert worst <= TOL, worst
@@ -236,26 +214,14 @@ def test_checkpoint_restores_across_strategies_exactly(saved, source, strategy, 
     # every array landed in the new run's placement with the saved values, exactly
     ref = PipeLM.load_from_checkpoint(path)
     want = {k: np.asarray(v) for k, v in jl.state.split_models({"net": ref.net})[1].items()}
-    assert rec.start.keys() == want.keys()
+    assert rec.start_params.keys() == want.keys()
     for k in want:
-        np.testing.assert_array_equal(rec.start[k], want[k], err_msg=k)
+        np.testing.assert_array_equal(rec.start_params[k], want[k], err_msg=k)
     stages = t.mesh.shape["stage"]
     for k, sh in rec.start_shardings.items():
         assert (tuple(sh.spec)[:1] == ("stage",)) == ("/blocks/" in k and stages > 1), (k, sh.spec)
     # and training continues to the losses of the run that never stopped
     np.testing.assert_allclose([float(x) for x in rec.losses], ref_losses[SPLIT:], atol=TOL, rtol=0)
-
-
-class SignalAt(jl.Callback):
-    """Sends SIGTERM to this process after the ``at``-th training batch (the handler only sets a flag)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.seen += 1
-        if self.seen == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @pytest.mark.slow
@@ -277,7 +243,7 @@ def test_preemption_and_resume_under_pp_are_bit_identical(tmp_path):
     t2 = trainer("run", [rec])
     t2.fit(PipeLM(**DIMS), data, ckpt_path="last")
     assert len(rec.losses) == STEPS - 3  # resumed, not restarted
-    a, b = flat_params(t2), flat_params(ref)
+    a, b = host_params(t2), host_params(ref)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)

@@ -24,6 +24,7 @@ from examples.models import CausalTransformer, GPTConfig, random_windows, stdlib
 from jaxlight.strategies import FSDP
 from jaxlight.strategies.sequence import SequenceParallel, traced_attention_calls
 from tests.core_models import quiet
+from tests.helpers import Losses
 
 seq_mod = importlib.import_module("jaxlight.strategies.sequence")
 
@@ -53,14 +54,6 @@ class SeqLM(jl.LightningModule):
 
     def configure_optimizers(self):
         return optax.sgd(self.hparams.lr, momentum=0.9)
-
-
-class Losses(jl.Callback):
-    def __init__(self) -> None:
-        self.losses: list = []
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"])
 
 
 def _batches(n: int, seq: int = SEQ, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -23,7 +23,8 @@ import jaxlight as jl
 from jaxlight.strategies import FSDP, DataParallel, TensorParallel, resolve_strategy
 from jaxlight.summary import fmt_bytes, per_device_bytes
 from tests.core_models import quiet
-from tests.strategy_models import LM, Losses, flat_params, token_batches
+from tests.helpers import Losses
+from tests.strategy_models import LM, flat_params, token_batches
 
 TOL = 1e-5
 MIN_SHARD = 2**16  # the default: every 256x256 kernel and the 256x256 tables shard, biases and norms don't

@@ -7,6 +7,7 @@ import pytest
 import jaxlight as jl
 from jaxlight.tracing import DOCS, TracingError
 from tests.core_models import EagerClassifier, batches, make_data, quiet, xent
+from tests.helpers import Losses
 
 DATA = batches(*make_data(64), 16)
 
@@ -107,17 +108,9 @@ class Printing(EagerClassifier):
         return loss
 
 
-class Record(jl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 @pytest.mark.parametrize("devices", [1, 8])
 def test_self_print_prints_values_each_time_the_step_runs(capsys, devices):
-    rec = Record()
+    rec = Losses(as_float=True)
     model = Printing()
     jl.Trainer(max_epochs=2, devices=devices, callbacks=[rec], **quiet()).fit(model, DATA)
     jax.effects_barrier()
