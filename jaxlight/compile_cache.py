@@ -28,6 +28,11 @@ process 0 gets hits there). Any cache problem costs a recompile and one
 autotuning side cache (``jax_persistent_cache_enable_xla_caches``) is turned
 off while at its default: see :func:`_set_jax_options`.
 
+Reload guard (XLA:CPU, jax 0.10.2, issue 37). A CPU program whose collectives
+sit in two or more computations (e.g. a ring's collective-permute in a loop and
+an all-reduce outside it) can deadlock once read back from the cache. Such
+programs are neither written nor read back: see :func:`reload_hazard`.
+
 A cache the user configured through JAX (``jax_compilation_cache_dir``,
 ``JAX_COMPILATION_CACHE_DIR``) is respected as it is; so is
 ``jax_enable_compilation_cache=False``.

@@ -105,6 +105,57 @@ def test_reload_hazard_is_collectives_in_more_than_one_computation():
     assert cc.reload_hazard("HloModule m\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n") is None
 
 
+def test_the_guard_keeps_the_program_out_on_write_and_on_read():
+    """Through JAX's real compile path: the hazardous program is not written; one written without the guard
+    (an older jaxlight's cache) is read, refused and compiled afresh; a safe program is cached as before."""
+    from jax._src import compilation_cache as jcc
+
+    directory = cc.configure_compile_cache()  # the throwaway cache of tests/conftest.py
+    assert directory is not None and cc._state.store is not None
+    box = jcc.put_executable_and_time._jaxlight_guard  # the guard's slot (jaxlight.compat)
+    n = np.random.default_rng().integers(1 << 30)  # a program no earlier run has cached
+    both = (P("a", "b"), P(None, "b"))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+
+    def make(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("a", "b"),) * 2, out_specs=both, check_vma=False))
+
+    def ring_probe(x, y):
+        return _ring_loop(x) + n, jax.lax.all_gather(y, "a", tiled=True)
+
+    def safe_probe(x, y):
+        return jax.lax.ppermute(x, "b", RING) + n, jax.lax.all_gather(y, "a", tiled=True)
+
+    ring, safe = make(ring_probe), make(safe_probe)
+    x = jnp.ones((8, 8))
+    before = cc.cache_stats()
+    want = [np.asarray(v) for v in ring(x, x)]
+    safe(x, x)
+    s = cc.cache_stats()
+    assert s.refused_modules[len(before.refused_modules) :] == ["jit_ring_probe"], s.refused_modules
+    assert "jit_safe_probe" in s.written_modules[len(before.written_modules) :]
+    # an entry written without the guard is read (a file hit) and dropped: JAX compiles it
+    guard = box[0]
+    box[0] = lambda *a: None
+    try:
+        jax.clear_caches()
+        ring(x, x)
+    finally:
+        box[0] = guard
+    written = cc.cache_stats()
+    assert "jit_ring_probe" in written.written_modules[len(s.written_modules) :]
+    jax.clear_caches()
+    got = [np.asarray(v) for v in ring(x, x)]
+    after = cc.cache_stats()
+    # refused on read, then on write
+    assert after.refused_modules[len(written.refused_modules) :] == ["jit_ring_probe"] * 2, after.refused_modules
+    # the refused read counts as a miss, not a hit
+    assert "jit_ring_probe" not in after.hit_modules[len(written.hit_modules) :], after.hit_modules
+    assert after.hits - written.hits == len(after.hit_modules) - len(written.hit_modules)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+
+
 # ------------------------------------------------------------------ every strategy, rerun from a warm cache
 _COLLECTIVE = re.compile(r"\s(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
 
