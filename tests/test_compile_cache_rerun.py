@@ -43,7 +43,7 @@ def _run(args: list[str], limit: int, cwd: Path, env: dict | None = None) -> sub
 
 # ------------------------------------------------------------------ the JAX bug itself
 REPS = 60  # calls per reloaded process: a healthy one takes ~3 s on 2 busy cores, a deadlocked one never ends
-ATTEMPTS = 3  # the hang depends on thread timing: measured in 2 of 3 reloaded processes, each within ~5 calls
+ATTEMPTS = 5  # the hang depends on thread timing: measured in about 2 of 3 reloaded processes, mostly within ~5 calls
 
 
 def test_the_smallest_program_still_deadlocks_once_reloaded(tmp_path):
