@@ -101,6 +101,57 @@ def install_persistent_cache(store: Any) -> str:
     return "installed"
 
 
+def guard_persistent_cache_io(refuse: Any) -> str:
+    """Route JAX's persistent-cache writes and reads of compiled programs through ``refuse``.
+
+    ``refuse(module_name, executable, backend)`` returns None to let the program through, else a
+    reason: a refused program is not written (``put``), and a refused program read back is
+    dropped as a miss, so JAX compiles it afresh (``get``). Wraps the module-level functions
+    ``put_executable_and_time`` and ``get_executable_and_time`` of ``jax._src.compilation_cache``
+    (jax 0.10.2), which ``jax._src.compiler`` looks up on that module at every call; JAX offers no
+    public hook between compiling and storing. Returns ``"installed"``, ``"already"`` (installed
+    earlier in this process) or ``"unsupported"`` (the functions are missing).
+    """
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:  # pragma: no cover - jax layout moved
+        return "unsupported"
+    put = getattr(cc, "put_executable_and_time", None)
+    get = getattr(cc, "get_executable_and_time", None)
+    if put is None or get is None:  # pragma: no cover - jax layout moved
+        return "unsupported"
+    if getattr(put, "_jaxlight_guard", None) is not None:
+        put._jaxlight_guard[0] = refuse  # the latest guard wins; one wrapper per process
+        return "already"
+    box = [refuse]
+
+    @functools.wraps(put)
+    def guarded_put(cache_key, module_name, executable, backend, *args, **kwargs):
+        if box[0](module_name, executable, backend) is not None:
+            return None
+        return put(cache_key, module_name, executable, backend, *args, **kwargs)
+
+    @functools.wraps(get)
+    def guarded_get(cache_key, compile_options, backend, *args, **kwargs):
+        executable, compile_time = get(cache_key, compile_options, backend, *args, **kwargs)
+        if executable is not None:
+            module_name = cache_key.rsplit("-", 1)[0] if "-" in cache_key else cache_key
+            if box[0](module_name, executable, backend) is not None:
+                return None, None
+        return executable, compile_time
+
+    guarded_put._jaxlight_guard = box
+    cc.put_executable_and_time = guarded_put
+    cc.get_executable_and_time = guarded_get
+    return "installed"
+
+
+def executable_hlo_texts(executable: Any) -> list[str]:
+    """The optimised HLO text of each module of a compiled ``LoadedExecutable``
+    (``executable.hlo_modules()``, each ``to_string()``); raises when this jaxlib lacks them."""
+    return [m.to_string() for m in executable.hlo_modules()]
+
+
 def async_save_in_flight(checkpointer: Any) -> bool:
     """Whether an orbax ``AsyncCheckpointer``'s background commit is still running, without waiting.
 

@@ -28,6 +28,11 @@ process 0 gets hits there). Any cache problem costs a recompile and one
 autotuning side cache (``jax_persistent_cache_enable_xla_caches``) is turned
 off while at its default: see :func:`_set_jax_options`.
 
+Reload guard (XLA:CPU, jax 0.10.2, issue 37). A CPU program whose collectives
+sit in two or more computations (e.g. a ring's collective-permute in a loop and
+an all-reduce outside it) can deadlock once read back from the cache. Such
+programs are neither written nor read back: see :func:`reload_hazard`.
+
 A cache the user configured through JAX (``jax_compilation_cache_dir``,
 ``JAX_COMPILATION_CACHE_DIR``) is respected as it is; so is
 ``jax_enable_compilation_cache=False``.
@@ -59,12 +64,14 @@ __all__ = [
     "ENV_DIR",
     "ENV_MAX_SIZE",
     "CacheStats",
+    "RELOAD_GUARD_SEEN_ON",
     "CompileCacheWarning",
     "DiskCache",
     "cache_stats",
     "clear_compile_cache",
     "configure_compile_cache",
     "default_cache_dir",
+    "reload_hazard",
 ]
 
 ENV_DIR = "JAXLIGHT_COMPILE_CACHE"
@@ -109,6 +116,8 @@ class CacheStats:
     errors: int = 0
     hit_modules: list[str] = dataclasses.field(default_factory=list)  # e.g. "jit_train_step", in order
     written_modules: list[str] = dataclasses.field(default_factory=list)
+    refused: int = 0  # programs the reload guard kept out of the cache (see reload_hazard)
+    refused_modules: list[str] = dataclasses.field(default_factory=list)
 
 
 def _module_name(key: str) -> str:
@@ -429,6 +438,75 @@ def _set_jax_options() -> None:
         jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 
 
+# ------------------------------------------------------------------ reload guard
+RELOAD_GUARD_SEEN_ON = ("0.10.2",)
+"""jax/jaxlib versions on which a reloaded XLA:CPU program was seen to deadlock (issue 37), which is why
+:func:`reload_hazard` keeps such programs out of the cache. ``tests/test_compile_cache_rerun.py`` fails
+once the installed jax no longer deadlocks, so the guard can be dropped."""
+
+_COLLECTIVE = re.compile(
+    r"\s(all-gather|all-reduce|all-to-all|ragged-all-to-all|collective-permute|collective-broadcast|reduce-scatter)"
+    r"(?:-start)?\("
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+
+
+def reload_hazard(hlo_text: str) -> str | None:
+    """Why an XLA:CPU program may deadlock once read back from the persistent cache, or None if it is safe.
+
+    ``hlo_text``: the optimised HLO of the compiled program (``HloModule.to_string()``). XLA:CPU orders
+    a program's collectives through one shared "communicator" resource, so every device enters them in
+    program order. A program read back from the cache (jax 0.10.2) gets a fresh resource for each nested
+    thunk sequence (a while loop's body and condition, a conditional's branches, a call), so a collective
+    inside a loop, e.g. a ring's ``collective-permute``, is no longer ordered against the collectives
+    outside it; when the executor runs them concurrently, devices enter them in different orders and
+    wait for each other forever (measured: ``tests/test_compile_cache_rerun.py``). Collectives that all
+    sit in one computation keep their order. So a program is hazardous when collectives appear in two
+    or more of its computations.
+    """
+    where: list[str] = []
+    name = None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t")):
+            m = _COMPUTATION.match(line)
+            name = m.group(1) if m else None
+            continue
+        if name is not None and name not in where and _COLLECTIVE.search(line):
+            where.append(name)
+    if len(where) < 2:
+        return None
+    return (
+        f"it has collectives in {len(where)} computations ({', '.join(where[:4])}{', ...' if len(where) > 4 else ''}), "
+        f"whose order XLA:CPU loses when it reloads a cached program"
+    )
+
+
+def _refuse_unsafe(module_name: str, executable, backend) -> str | None:
+    """The reload guard JAX's cache reads and writes go through (see :func:`reload_hazard`)."""
+    if getattr(backend, "platform", None) != "cpu":
+        return None  # seen on XLA:CPU's thunk runtime only; other backends' programs are cached as before
+    from jaxlight import compat
+
+    try:
+        why = next(filter(None, map(reload_hazard, compat.executable_hlo_texts(executable))), None)
+    except Exception as e:  # an unreadable program is not cached: it costs a recompile, never a hang
+        why = f"its HLO could not be read ({type(e).__name__}: {e})"
+    if why is None:
+        return None
+    store = _state.store
+    if store is not None:
+        with store._lock:
+            store.stats.refused += 1
+            store.stats.refused_modules.append(module_name)
+            # A refused read was a file hit for the store, but JAX compiles it: count it as a miss.
+            if module_name in store.stats.hit_modules and store.stats.hit_modules[-1] == module_name:
+                store.stats.hit_modules.pop()
+                store.stats.hits -= 1
+                store.stats.misses += 1
+    log.info("jaxlight compile cache: %s is compiled, not cached: %s", module_name, why)
+    return why
+
+
 def configure_compile_cache(setting: bool | str | os.PathLike | None = None) -> str | None:
     """Turn on the persistent compilation cache for this process; return the directory in use, or None.
 
@@ -509,6 +587,11 @@ def configure_compile_cache(setting: bool | str | os.PathLike | None = None) -> 
             log.info("jaxlight compile cache: not used (JAX's cache is %s)", how)
             return None
         _set_jax_options()
+        # Keeps programs that would deadlock once reloaded (XLA:CPU, issue 37) out of the cache.
+        from jaxlight import compat
+
+        if compat.guard_persistent_cache_io(_refuse_unsafe) == "unsupported":  # pragma: no cover
+            log.info("jaxlight compile cache: cannot guard JAX's cache reads and writes in this jax")
         # Tells JAX (and other libraries asking it) that a persistent cache is on, and where.
         jax.config.update("jax_compilation_cache_dir", directory)
         _state.directory = directory
@@ -519,7 +602,12 @@ def configure_compile_cache(setting: bool | str | os.PathLike | None = None) -> 
 def cache_stats() -> CacheStats:
     """A copy of the counters of the cache jaxlight installed in this process (all zero when none)."""
     s = _state.store.stats if _state.store is not None else CacheStats()
-    return dataclasses.replace(s, hit_modules=list(s.hit_modules), written_modules=list(s.written_modules))
+    return dataclasses.replace(
+        s,
+        hit_modules=list(s.hit_modules),
+        written_modules=list(s.written_modules),
+        refused_modules=list(s.refused_modules),
+    )
 
 
 def clear_compile_cache(directory: str | os.PathLike | None = None) -> tuple[int, int]:
