@@ -61,7 +61,10 @@ class RunSnapshot:
     is Lightning's checkpoint dict without the device arrays (stored as tagged
     JSON); ``facts`` the readable facts the meta item records beside it
     (``global_step``, ``epoch``, ``module_class``, ``strategy``, ``mesh``);
-    ``weights_only`` marks a checkpoint that cannot resume fit.
+    ``weights_only`` marks a checkpoint that cannot resume fit. ``host``,
+    ``facts`` and ``weights_only`` are the pytree's static part: ``jax.tree``
+    functions map the arrays and carry them along (a snapshot is not a ``jit``
+    argument: the host dict is not hashable).
     """
 
     params: Mapping[str, Any]
@@ -228,15 +231,6 @@ def host_dict(global_step: int = 0, epoch: int = 0, **extra: Any) -> dict[str, A
     }
 
 
-def snapshot_bytes(contents: RunSnapshot) -> int:
-    """About how many bytes a save of ``contents``' arrays takes (all shards, and orbax's files; no host
-    state); reads only shapes and dtypes, nothing is fetched."""
-    trees = [contents.params, contents.model_state]
-    if not contents.weights_only:
-        trees += [contents.opt_state, contents.callback_state]
-    return bytes_needed({"state": {"arrays": dict(enumerate(jax.tree_util.tree_leaves(trees)))}}, {}, {})
-
-
 def gather_loader_states(state: Any) -> list[Any]:
     """Every process's loader state, in process order (a collective: all processes call it).
 
@@ -340,5 +334,4 @@ __all__ = [
     "read_host",
     "restore",
     "save",
-    "snapshot_bytes",
 ]
