@@ -2,12 +2,13 @@
 
 This module holds Lightning's *policy* only, decided on every process in the
 loop: when to save, the file names, the top-k set and ``last``. A trigger
-makes at most one orbax save (:func:`jaxlight.checkpoint.save_checkpoint`) and
-a :class:`~jaxlight.checkpoint.publish.Plan` of file operations: the names the
-saved data is published under, the ``last`` link to switch, the files to
-remove. Publishing them, crash-safely and in save order the moment each save
-commits, is :mod:`jaxlight.checkpoint.publish`'s work (process 0, in orbax's
-commit thread); the loop never waits for it.
+makes at most one save (a :class:`~jaxlight.checkpoint.RunSnapshot` of the
+run) and a :class:`~jaxlight.checkpoint.publish.Plan` of file operations: the
+names the saved data is published under, the ``last`` link to switch, the files
+to remove. Writing the save, publishing it crash-safely and in save order the
+moment it commits, and holding the directory's lock are the mechanics of
+:class:`jaxlight.checkpoint.writer.CheckpointWriter` (process 0 publishes, in
+orbax's commit thread); the loop never waits for them.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
 from jaxlight.checkpoint import dirlock, publish
-from jaxlight.checkpoint.discovery import check_filename, next_commit_seq, not_own_checkpoint
-from jaxlight.checkpoint.format import disk_full_error
-from jaxlight.checkpoint.run_state import checkpoint_bytes, save_checkpoint
+from jaxlight.checkpoint.discovery import check_filename, not_own_checkpoint
 from jaxlight.checkpoint.schema import check_checkpoint_callback_state
-from jaxlight.errors import CheckpointError, MisconfigurationError
+from jaxlight.checkpoint.trainer_io import snapshot_of, view_of
+from jaxlight.checkpoint.writer import CheckpointWriter
+from jaxlight.errors import MisconfigurationError
 from jaxlight.rank_zero import WarnOnce, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -178,8 +179,7 @@ class ModelCheckpoint(Callback):
         self._defer_save_until_validation = False
         self._newest_path = ""  # the data path of the newest save (what save_now reports)
         self._extra_path = ""  # a forced (preemption) save outside the top k, kept until a newer save
-        self._checkpointer: Any = None
-        self._publisher = publish.Publisher()
+        self._writer = CheckpointWriter(async_save)  # the lock, the checkpointer, publication, commit order
         self._txn: _Txn | None = None
         self._committing: list[str] = []  # removals of the save being written (recorded in its state)
         self._restored_removals: list[str] = []
@@ -189,11 +189,13 @@ class ModelCheckpoint(Callback):
         self._token_base = f"{os.getpid()}-"
         self._token_count = 0
         self._warn = WarnOnce()
-        self._lock: dirlock.DirLock | None = None  # this run's hold on dirpath (process 0, during fit)
         self._owned: set[str] = set()  # paths a restored state named, checked to be this callback's checkpoints
         self._step_loss: Any = None  # the loss of the latest train step (a device array, fetched only to save)
-        self._commit_seq: int | None = None  # the next save's commit sequence number (set at the first save)
-        self._inflight: tuple[str, int] = ("", 0)  # the newest save's path and size, for a disk-full message
+
+    @property
+    def _checkpointer(self) -> Any:
+        """The orbax checkpointer of this callback's saves (None before the first)."""
+        return self._writer.checkpointer
 
     # ------------------------------------------------------------------ identity
     @property
@@ -234,39 +236,18 @@ class ModelCheckpoint(Callback):
             ModelCheckpoint._dirpath_exchanges += 1
             key = f"jaxlight/ckpt_dirpath/{ModelCheckpoint._dirpath_exchanges}"
             self.dirpath = distributed.broadcast_str(self._default_dirpath(trainer), key)
-        self._publisher.active = trainer.is_global_zero
+        self._writer.primary = trainer.is_global_zero
         if stage != "fit":
             return
         self._check_names()
-        self._take_directory(trainer)  # before anything is read or repaired there, and before any compile
+        # locked for this run (which proves it writable) before anything is read or repaired there, and
+        # before any compile; a failure on process 0 makes every process raise
+        self._writer.take(self.dirpath, type(self).__name__)
         if trainer.is_global_zero:
             self._repair(self.dirpath)
             entries = [n for n in os.listdir(self.dirpath) if n != dirlock.INNER_LOCK]
             if self.save_top_k != 0 and entries:
                 rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
-
-    def _take_directory(self, trainer: Trainer) -> None:
-        """Process 0 locks ``dirpath`` for this run (which also proves it writable); if it cannot, every
-        process raises, so none is left waiting in a later collective."""
-        assert self.dirpath is not None
-        error: CheckpointError | None = None
-        if trainer.is_global_zero and self._lock is None:
-            try:
-                self._lock = dirlock.acquire(self.dirpath, type(self).__name__)
-            except CheckpointError as e:
-                error = e
-        failed = distributed.processes_where(error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(
-                f"checkpoint directory {self.dirpath} could not be taken by process 0 (its error says why)"
-            )
-
-    def _release(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
 
     def _check_names(self) -> None:
         """The names this callback will write lie directly in ``dirpath`` (a metric name inserted by
@@ -328,7 +309,7 @@ class ModelCheckpoint(Callback):
             keep |= {self.last_model_path, self._resume_path(trainer)}
             gone = [p for p in removals if p not in keep and self._in_dirpath(p) and self._may_remove(p)]
             if gone:
-                self._publisher.submit(publish.Plan(self._token(), removals=gone))
+                self._writer.submit(publish.Plan(self._token(), removals=gone))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # kept by reference (no sync): fetched only when a save is decided, which syncs anyway
@@ -427,7 +408,7 @@ class ModelCheckpoint(Callback):
         try:
             self.wait_until_finished()
         finally:
-            self._release()
+            self._writer.release()
 
     # ------------------------------------------------------------------ what is not saved
     def _validation_runs(self, trainer: Trainer) -> bool:
@@ -699,58 +680,21 @@ class ModelCheckpoint(Callback):
         for p in protect:
             self._virtual[p] = True
         if not plan.names:
-            self._publisher.submit(plan)
+            self._writer.submit(plan)
             return
-        plan.staged = publish.marked(primary, "staged", token)
-        orbax_path = primary if fresh else publish.marked(primary, "next", token)
-        self._publisher.expect(orbax_path, plan)
         self._committing = plan.removals
-        try:
-            self._write(trainer, orbax_path, sync=sync, reason=reason)
-        except BaseException:
-            self._publisher.forget(orbax_path)
-            raise
+        view, weights_only = view_of(trainer), self.save_weights_only
+        self._writer.async_save = self.async_save  # read at the save, as the attribute may be set after __init__
+        try:  # the snapshot is built inside the save, after the previous save committed
+            self._writer.write(lambda: snapshot_of(view, weights_only), plan, fresh=fresh, sync=sync, reason=reason)
         finally:
             self._committing = []
         self._newest_path = primary
         self._last_progress_saved = (trainer.global_step, trainer.position.micro_batches)
 
-    def _write(self, trainer: Trainer, filepath: str, *, sync: bool, reason: str) -> None:
-        if self._checkpointer is None:  # jaxlight's checkpointer, committing through this callback's publisher
-            self._checkpointer = publish.publishing_checkpointer(self.async_save, self._publisher)
-        if trainer.is_global_zero:
-            os.makedirs(os.path.dirname(filepath), exist_ok=True)
-        # orbax waits for the previous save before it starts this one; waiting here first lets a failure of
-        # that save (a full disk) be reported with its own path and size
-        self.wait_until_finished()
-        if self._commit_seq is None:
-            self._commit_seq = next_commit_seq(os.path.dirname(filepath))
-        seq, self._commit_seq = self._commit_seq, self._commit_seq + 1
-        self._inflight = (filepath, checkpoint_bytes(trainer, self.save_weights_only))
-        save_checkpoint(
-            trainer,
-            filepath,
-            weights_only=self.save_weights_only,
-            checkpointer=self._checkpointer,
-            reason=reason,
-            commit_seq=seq,
-        )
-        if sync or not self.async_save:
-            self.wait_until_finished()
-
     def wait_until_finished(self) -> None:
         """Block until every save has committed and its bookkeeping ran; raise a background save's error."""
-        ck = self._checkpointer
-        if ck is not None and hasattr(ck, "wait_until_finished"):
-            try:
-                ck.wait_until_finished()
-                ck.check_for_errors()
-            except BaseException as e:
-                self._publisher.abandon()
-                full = disk_full_error(e, *self._inflight) if isinstance(e, Exception) else None
-                if full is not None:  # orbax's RESOURCE_EXHAUSTED, said with the directory and the size
-                    raise full from e
-                raise
+        self._writer.wait()
 
     def save_now(self, trainer: Trainer, reason: str = "preemption") -> str | None:
         """Write the current state synchronously (unless this exact point is already saved) and wait.

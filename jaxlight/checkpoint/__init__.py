@@ -17,8 +17,16 @@ The package's layers, each importing only those above it:
   (a lock file naming the run);
 - :mod:`~jaxlight.checkpoint.publish`: crash-safe publication of committed
   saves (atomic rename/exchange, the publisher, repair after a kill);
-- :mod:`~jaxlight.checkpoint.run_state`: the Trainer's state in and out (the
-  only module here that knows the Trainer);
+- :mod:`~jaxlight.checkpoint.run_state`: a run's state as a value
+  (:class:`RunSnapshot`: a pytree of the train state's arrays with the host
+  dict beside it) and its I/O, ``save(contents, path)`` and
+  ``restore(like, path)``, which take trees and know nothing of the Trainer;
+- :mod:`~jaxlight.checkpoint.writer`: the mechanics of a checkpoint
+  callback's saves (its directory lock, the publishing checkpointer, commit
+  order, background errors);
+- :mod:`~jaxlight.checkpoint.trainer_io`: the Trainer's side (the only module
+  here that knows the Trainer): one function reads it (``view_of``), one
+  writes a restored snapshot back (``apply_restored``);
 - :mod:`~jaxlight.checkpoint.module_load`: ``load_from_checkpoint`` of a module.
 
 No module of this package imports a callback: ``ModelCheckpoint`` (its policy:
@@ -45,15 +53,17 @@ from jaxlight.checkpoint.format import (
 )
 from jaxlight.checkpoint.host_state import check_hparams, host_checkpoint
 from jaxlight.checkpoint.module_load import load_module_from_checkpoint
-from jaxlight.checkpoint.run_state import (
+from jaxlight.checkpoint.run_state import RunSnapshot, gather_loader_states, host_dict, read_host, restore, save
+from jaxlight.checkpoint.trainer_io import (
     dump_checkpoint,
     find_last_checkpoint,
-    gather_loader_states,
     no_last_checkpoint_reason,
     resolve_ckpt_path,
     restore_into_trainer,
     restore_logger_states,
     save_checkpoint,
+    snapshot_of,
+    view_of,
 )
 from jaxlight.errors import CheckpointError, Preempted
 
@@ -70,6 +80,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMeta",
     "Preempted",
+    "RunSnapshot",
     "check_hparams",
     "check_path",
     "dump_checkpoint",
@@ -77,15 +88,21 @@ __all__ = [
     "find_last_checkpoint",
     "gather_loader_states",
     "host_checkpoint",
+    "host_dict",
     "is_complete",
     "list_checkpoints",
     "load_module_from_checkpoint",
     "new_checkpointer",
     "no_last_checkpoint_reason",
+    "read_host",
     "read_meta",
     "resolve_ckpt_path",
+    "restore",
     "restore_into_trainer",
     "restore_logger_states",
+    "save",
     "save_checkpoint",
     "save_in_flight",
+    "snapshot_of",
+    "view_of",
 ]
