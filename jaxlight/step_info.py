@@ -1,7 +1,8 @@
 """StepInfo: what a callback sees at a hook, as one value (position, step values, state, run settings).
 
 jaxlight's own host-side callbacks (``EMA``, ``ThroughputMonitor``,
-``NonFiniteGuard``, ``EarlyStopping``, ``Timer``) keep their logic in methods
+``NonFiniteGuard``, ``EarlyStopping``, ``Timer``, ``LearningRateMonitor``,
+``Preemption``) keep their logic in methods
 that take a :class:`StepInfo`; their Lightning hooks ``(trainer, pl_module,
 ...)`` only build one with :meth:`StepInfo.of_trainer` and apply what the
 logic decides (set ``trainer.should_stop``, log metrics). So the logic runs,
@@ -20,6 +21,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from jaxlight.optim import OptimizerConfig
     from jaxlight.step import TrainState
     from jaxlight.trainer import Trainer
 
@@ -73,6 +75,17 @@ class StepInfo:
       device (its ``device_kind`` names the hardware); ``precision``: the precision's name (``"32-true"``);
     - ``log_every_n_steps``, ``fast_dev_run`` (0: off), ``val_check_interval``, ``check_val_every_n_epoch``:
       the Trainer's arguments of those names, resolved.
+
+    Read by ``LearningRateMonitor`` and ``Preemption`` (appended, defaulted like the rest):
+
+    - ``optimizer``: the run's built optimizer configuration (:class:`~jaxlight.optim.OptimizerConfig`,
+      ``trainer.engine.optimizer``), by reference: its ``inspect(state.opt_state, state.params)`` finds the
+      learning rates in the optax state; None before ``fit`` builds it. A new object when fine-tuning adds
+      parameter groups;
+    - ``loggers``: the trainer's loggers (a tuple; empty with ``logger=False``);
+    - ``micro_batches``: train batches consumed over the whole run (each micro-batch of an accumulated
+      update counts); ``batches_in_epoch``: train batches of the current epoch consumed;
+    - ``steps_per_execution``: train batches one compiled execution runs (the Trainer's argument).
     """
 
     stage: str = ""
@@ -95,6 +108,11 @@ class StepInfo:
     fast_dev_run: int = 0
     val_check_interval: int | float = 1.0
     check_val_every_n_epoch: int | None = 1
+    optimizer: OptimizerConfig | None = None
+    loggers: tuple[Any, ...] = ()
+    micro_batches: int = 0
+    batches_in_epoch: int = 0
+    steps_per_execution: int = 1
 
     @classmethod
     def of_trainer(
@@ -139,4 +157,9 @@ class StepInfo:
             fast_dev_run=config.fast_dev_run,
             val_check_interval=config.val_check_interval,
             check_val_every_n_epoch=config.check_val_every_n_epoch,
+            optimizer=trainer.engine.optimizer,
+            loggers=tuple(trainer.loggers),
+            micro_batches=position.micro_batches,
+            batches_in_epoch=position.batches_in_epoch,
+            steps_per_execution=config.steps_per_execution,
         )

@@ -12,12 +12,13 @@ from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import MisconfigurationError
 from jaxlight.optim.schedules import driven_states, hyperparams_with_path
 from jaxlight.rank_zero import rank_zero_warn
+from jaxlight.step_info import StepInfo
 
 
 class _Entry(NamedTuple):
     """One named learning-rate source: an optimizer (through one of its schedulers, or alone)."""
 
-    optimizer: int  # index into trainer.engine.optimizer.optimizers
+    optimizer: int  # index into the optimizer config's optimizers (StepInfo.optimizer.optimizers)
     interval: str | None  # the scheduler's interval; None: an optimizer without scheduler (logged at both)
     names: list[str | None]  # one per optimized parameter group; None where its rate cannot be read
     added: list[tuple[str, Any]] = []  # (name, AddedGroup) for the groups fine-tuning added (BaseFinetuning)
@@ -163,12 +164,16 @@ class LearningRateMonitor(Callback):
             "use LearningRateMonitor(logging_interval='epoch')",
         )
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.loggers and not trainer.fast_dev_run:
+    # -- the logic on a StepInfo (no Trainer)
+    def start(self, info: StepInfo) -> None:
+        """Find the rates of ``info.optimizer`` in ``info.state``'s optax state and plan their names (train
+        start). Raises :class:`MisconfigurationError` without a logger (unless ``fast_dev_run``) or when no
+        rate can be read; warns naming the groups (or momentum, weight decay) it cannot log."""
+        if not info.loggers and not info.fast_dev_run:
             raise MisconfigurationError("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.")
-        config = trainer.engine.optimizer
-        self._infos = config.inspect(trainer.train_state.opt_state, trainer.train_state.params)
-        groups = [(i, g) for i, info in enumerate(self._infos) for g in info.optimized_groups]
+        config = info.optimizer
+        self._infos = self._inspect(info)
+        groups = [(i, g) for i, t in enumerate(self._infos) for g in t.optimized_groups]
         unread = [_where(i, g) for i, g in groups if not g.readable]
         if groups and len(unread) == len(groups):
             raise MisconfigurationError(
@@ -189,52 +194,39 @@ class LearningRateMonitor(Callback):
         self.last_momentum_values = {f"{n}-momentum": None for n in names}
         self.last_weight_decay_values = {f"{n}-weight_decay": None for n in names}
 
-    def _names(self) -> list[str]:
-        return [n for e in self._entries for n in [*e.names, *(a for a, _ in e.added)] if n is not None]
+    def should_log_step(self, info: StepInfo) -> bool:
+        """Whether the batch starting now belongs to a logged update (the trainer logs the metrics of update
+        ``g``, 0-based, when ``(g + 1) % log_every_n_steps == 0``), or a stop is requested."""
+        return (info.global_step + 1) % info.log_every_n_steps == 0 or info.should_stop
 
-    def _replan(self, trainer: Any) -> None:
-        """The optimizer was rebuilt with added groups: plan again, and, as Lightning does, move the history
-        of ``lr-Adam`` to ``lr-Adam/pg1`` when the first group gets a suffix; new names start empty."""
-        config = trainer.engine.optimizer
-        self._infos = config.inspect(trainer.train_state.opt_state, trainer.train_state.params)
-        self._config, self._entries = config, _plan(config, self._infos)
-        for name in self._names():
-            old = name.replace("/pg1", "")
-            if "/pg1" in name and old in self.lrs:
-                self.lrs[name] = self.lrs.pop(old)
-                for d, tail in (
-                    (self.last_momentum_values, "-momentum"),
-                    (self.last_weight_decay_values, "-weight_decay"),
-                ):
-                    d[name + tail] = d.pop(old + tail, None)
-            elif name not in self.lrs:
-                self.lrs[name] = []
-                self.last_momentum_values[f"{name}-momentum"] = None
-                self.last_weight_decay_values[f"{name}-weight_decay"] = None
-
-    def _should_log_step(self, trainer: Any) -> bool:
-        # the trainer logs metrics of update g (0-based) when (g + 1) % log_every_n_steps == 0
-        return (trainer.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def at_batch_start(self, info: StepInfo) -> dict[str, float]:
+        """The values to log at a train batch's start (``{}`` off the step cadence): step-interval
+        schedulers and optimizers without one (everything with ``logging_interval="step"``)."""
         # Lightning's cadence is per batch: under gradient accumulation every micro-batch of a logged update
         # logs the rate again, at the same step (checked against pytorch-lightning, issue 23)
-        if self.logging_interval == "epoch" or not self._should_log_step(trainer):
-            return
-        self._log(trainer, "step" if self.logging_interval is None else "any")
+        if self.logging_interval == "epoch" or not self.should_log_step(info):
+            return {}
+        return self.read(info, "step" if self.logging_interval is None else "any")
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.logging_interval != "step":
-            self._log(trainer, "epoch" if self.logging_interval is None else "any")
+    def at_epoch_start(self, info: StepInfo) -> dict[str, float]:
+        """The values to log at a train epoch's start (``{}`` with ``logging_interval="step"``):
+        epoch-interval schedulers and optimizers without one (everything with ``"epoch"``)."""
+        if self.logging_interval == "step":
+            return {}
+        return self.read(info, "epoch" if self.logging_interval is None else "any")
 
-    def _extract(self, trainer: Any, interval: str) -> dict[str, float]:
-        if trainer.engine.optimizer is not self._config:
-            self._replan(trainer)
+    def read(self, info: StepInfo, interval: str) -> dict[str, float]:
+        """Read the rates of the entries logged at ``interval`` (``"step"``, ``"epoch"``; ``"any"``: all)
+        from ``info.state.opt_state`` in one host fetch, record them (``lrs``, ``last_momentum_values``,
+        ``last_weight_decay_values``) and return ``{name: value}``. Plans the names again first when
+        ``info.optimizer`` is not the one planned for (fine-tuning added parameter groups)."""
+        if info.optimizer is not self._config:
+            self._replan(info)
         entries = [e for e in self._entries if interval == "any" or e.interval in (None, interval)]
         if not entries:
             return {}
-        config = trainer.engine.optimizer
-        state = trainer.train_state.opt_state
+        config = info.optimizer
+        state = self._state(info).opt_state
         read: dict[int, list[dict[str, Any]]] = {}
         for e in entries:
             if e.optimizer not in read:
@@ -258,10 +250,59 @@ class LearningRateMonitor(Callback):
                 self.last_momentum_values[k] = v
             elif k in self.last_weight_decay_values:
                 self.last_weight_decay_values[k] = v
-        trainer.callback_metrics.update({k: jnp.float32(v) for k, v in host.items()})
         return host
 
-    def _log(self, trainer: Any, interval: str) -> None:
-        stats = self._extract(trainer, interval)
+    def _names(self) -> list[str]:
+        return [n for e in self._entries for n in [*e.names, *(a for a, _ in e.added)] if n is not None]
+
+    @staticmethod
+    def _state(info: StepInfo) -> Any:
+        if info.state is None:
+            raise RuntimeError("LearningRateMonitor needs a StepInfo with a train state (info.state is None)")
+        return info.state
+
+    def _inspect(self, info: StepInfo) -> list[Any]:
+        if info.optimizer is None:
+            raise RuntimeError("LearningRateMonitor needs a StepInfo with the optimizer (info.optimizer is None)")
+        state = self._state(info)
+        return info.optimizer.inspect(state.opt_state, state.params)
+
+    def _replan(self, info: StepInfo) -> None:
+        """The optimizer was rebuilt with added groups: plan again, and, as Lightning does, move the history
+        of ``lr-Adam`` to ``lr-Adam/pg1`` when the first group gets a suffix; new names start empty."""
+        config = info.optimizer
+        self._infos = self._inspect(info)
+        self._config, self._entries = config, _plan(config, self._infos)
+        for name in self._names():
+            old = name.replace("/pg1", "")
+            if "/pg1" in name and old in self.lrs:
+                self.lrs[name] = self.lrs.pop(old)
+                for d, tail in (
+                    (self.last_momentum_values, "-momentum"),
+                    (self.last_weight_decay_values, "-weight_decay"),
+                ):
+                    d[name + tail] = d.pop(old + tail, None)
+            elif name not in self.lrs:
+                self.lrs[name] = []
+                self.last_momentum_values[f"{name}-momentum"] = None
+                self.last_weight_decay_values[f"{name}-weight_decay"] = None
+
+    # -- Lightning-style adapters: build the info, log what the logic returns
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.start(StepInfo.of_trainer(trainer))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.logging_interval == "epoch":  # nothing to log per batch: no info built
+            return
+        self._log(trainer, self.at_batch_start(StepInfo.of_trainer(trainer, batch=batch, batch_idx=batch_idx)))
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.logging_interval != "step":
+            self._log(trainer, self.at_epoch_start(StepInfo.of_trainer(trainer)))
+
+    @staticmethod
+    def _log(trainer: Any, stats: dict[str, float]) -> None:
+        # Lightning puts the values in callback_metrics too (a monitor or a file name can use them)
         if stats:
+            trainer.callback_metrics.update({k: jnp.float32(v) for k, v in stats.items()})
             trainer.reporter.log_metrics(stats, step=trainer.global_step)

@@ -18,6 +18,7 @@ from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
 from jaxlight.errors import Preempted
 from jaxlight.rank_zero import rank_zero_info
+from jaxlight.step_info import StepInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
@@ -154,8 +155,38 @@ class Preemption(Callback):
         self._trainer = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
-        self._fit_start_micro = trainer.position.micro_batches  # after a restore: what this fit starts from
+        self.begin(StepInfo.of_trainer(trainer))
+
+    # ------------------------------------------------------------------ the logic on a StepInfo
+    def begin(self, info: StepInfo) -> None:
+        """Fit starts at ``info``'s position (after a restore, the restored one): a stop before any further
+        train batch writes no checkpoint."""
+        self._fit_start_micro = info.micro_batches
         self._progress_at = time.monotonic()
+
+    def stop_due(self, info: StepInfo) -> bool:
+        """At the end of the train batch ``info`` describes: whether the run stops here. In a single process,
+        when a signal was received; in a multi-process run, at the agreed micro-batch (this process proposes
+        ``info.micro_batches + AGREE_MARGIN * info.steps_per_execution`` when it got the signal, and every
+        process reads the proposal from the key-value store); raises :class:`RuntimeError` when this process
+        is already past the agreed point."""
+        self._progress_at = time.monotonic()
+        if jax.process_count() == 1:
+            return self.received is not None
+        return self._should_stop_multi(info)
+
+    def trained_since_fit_start(self, info: StepInfo) -> bool:
+        """Whether a train batch completed since fit started (only then is a checkpoint worth writing)."""
+        return self._fit_start_micro is None or info.micro_batches > self._fit_start_micro
+
+    def stop_message(self, info: StepInfo, signum: int | None, where: str, saved: bool) -> str:
+        """What ``verbose`` reports at the stop: the signal, ``info``'s position and ``where`` the state went."""
+        name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
+        again = " Run again with ckpt_path='last' to resume." if saved else ""
+        return (
+            f"jaxlight: received {name}; stopped at global step {info.global_step} "
+            f"(epoch {info.epoch}, batch {info.batches_in_epoch}); {where}.{again}"
+        )
 
     # ------------------------------------------------------------------ the stop point
     def poll(self, waiting: bool = False) -> None:
@@ -176,12 +207,11 @@ class Preemption(Callback):
         return self.poll
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._progress_at = time.monotonic()
-        if jax.process_count() == 1:
-            if self.received is not None:
-                self._stop(trainer)
+        if self.received is None and jax.process_count() == 1:
+            # nothing pending in a single process (every step but the last): an attribute read, no info built
+            self._progress_at = time.monotonic()
             return
-        if self._should_stop_multi(trainer):
+        if self.stop_due(StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx)):
             self._stop(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -194,14 +224,14 @@ class Preemption(Callback):
         if requested:
             self._stop(trainer)
 
-    def _should_stop_multi(self, trainer: Trainer) -> bool:
-        here = trainer.position.micro_batches
+    def _should_stop_multi(self, info: StepInfo) -> bool:
+        here = info.micro_batches
         if self._stop_at is None:
             if self.received is not None and not self._announced:
                 self._announced = True
                 try:  # the first process to propose wins (the store refuses a second set); the others read it
                     # steps_per_execution=N: processes drift by up to RUN_AHEAD executions, N batches each
-                    margin = AGREE_MARGIN * trainer.config.steps_per_execution
+                    margin = AGREE_MARGIN * info.steps_per_execution
                     distributed.kv_set(f"{self._ns}/stop_at", str(here + margin))
                 except Exception:
                     pass
@@ -218,9 +248,10 @@ class Preemption(Callback):
 
     def _stop(self, trainer: Trainer) -> None:
         self._stopping = True
+        info = StepInfo.of_trainer(trainer)  # the position of the last completed step (the save keeps it)
         signum = self.received
         path = None
-        trained = self._fit_start_micro is None or trainer.position.micro_batches > self._fit_start_micro
+        trained = self.trained_since_fit_start(info)
         where = "no checkpoint written (checkpointing is disabled)"
         if not trained:
             where = "no train step completed since fit started, so no checkpoint was written"
@@ -239,13 +270,8 @@ class Preemption(Callback):
             if path:
                 where = f"checkpoint written to {path}"
         if self.verbose:
-            name = signal.Signals(signum).name if signum is not None else "a preemption notice on another process"
-            again = " Run again with ckpt_path='last' to resume." if path else ""
-            rank_zero_info(
-                f"jaxlight: received {name}; stopped at global step {trainer.global_step} "
-                f"(epoch {trainer.current_epoch}, batch {trainer.position.batches_in_epoch}); {where}.{again}",
-            )
-        raise Preempted(trainer.global_step, path, signum)
+            rank_zero_info(self.stop_message(info, signum, where, bool(path)))
+        raise Preempted(info.global_step, path, signum)
 
     # ------------------------------------------------------------------ the watcher's side
     def _gone(self) -> list[int] | None:
