@@ -256,3 +256,27 @@ def test_several_devices_place_every_batch_as_before(monkeypatch):
     trainer = jl.Trainer(devices=8, max_epochs=1, callbacks=[WeightsOnly()], **quiet())
     trainer.fit(Classifier(), train_dataloaders=batches(*make_data(96), 16))
     assert counted.calls == 2 * 6
+
+
+def test_built_in_callbacks_read_the_batch_only_where_their_logic_needs_it():
+    """A callback whose hook passes ``batch`` on (into a StepInfo, say) is a batch reader, and every batch is then
+    placed in Python before the step: only ThroughputMonitor counts samples from it."""
+    import inspect
+
+    import jaxlight.callbacks as C
+    from jaxlight.callbacks.callback import Callback
+    from jaxlight.hooks import reads_argument
+
+    readers, checked = set(), 0
+    for name in dir(C):
+        cls = getattr(C, name)
+        if not (inspect.isclass(cls) and issubclass(cls, Callback)) or cls is Callback:
+            continue
+        for hook, at in (("on_train_batch_start", 3), ("on_train_batch_end", 4)):  # self counts: unbound
+            fn = getattr(cls, hook)
+            if fn is not getattr(Callback, hook) and name != "LambdaCallback":  # Lambda runs the user's code
+                checked += 1
+                if reads_argument(fn, at):
+                    readers.add(name)
+    assert checked >= 8
+    assert readers == {"ThroughputMonitor"}

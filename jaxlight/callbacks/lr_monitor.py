@@ -294,7 +294,7 @@ class LearningRateMonitor(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.logging_interval == "epoch":  # nothing to log per batch: no info built
             return
-        self._log(trainer, self.at_batch_start(StepInfo.of_trainer(trainer, batch=batch, batch_idx=batch_idx)))
+        self._log(trainer, self.at_batch_start(StepInfo.of_trainer(trainer, batch_idx=batch_idx)))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.logging_interval != "step":

@@ -88,7 +88,7 @@ class NonFiniteGuard(Callback):
         self.start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.on_step(StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx))
+        self.on_step(StepInfo.of_trainer(trainer, outputs=outputs, batch_idx=batch_idx))  # not the batch: see Timer
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.flush()

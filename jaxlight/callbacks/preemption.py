@@ -211,7 +211,9 @@ class Preemption(Callback):
             # nothing pending in a single process (every step but the last): an attribute read, no info built
             self._progress_at = time.monotonic()
             return
-        if self.stop_due(StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx)):
+        if self.stop_due(
+            StepInfo.of_trainer(trainer, batch_idx=batch_idx)
+        ):  # not the batch: reading it costs its placement
             self._stop(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:

@@ -86,7 +86,7 @@ class Timer(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # the interval is read first, so a per-epoch Timer builds no info per batch
         if self.interval == "step" and self.check(
-            StepInfo.of_trainer(trainer, batch=batch, outputs=outputs, batch_idx=batch_idx)
+            StepInfo.of_trainer(trainer, batch_idx=batch_idx)  # not the batch: reading it costs its placement
         ):
             trainer.should_stop = True
 
