@@ -10,6 +10,7 @@ from jaxlight.callbacks import Callback
 from jaxlight.checkpoint import CheckpointError, Preempted
 from jaxlight.data import batch_mask
 from jaxlight.datamodule import LightningDataModule
+from jaxlight.errors import NonFiniteLossWarning
 from jaxlight.module import LightningModule
 from jaxlight.seed import seed_everything
 from jaxlight.step import TrainState
@@ -26,6 +27,7 @@ __all__ = [
     "LightningDataModule",
     "LightningModule",
     "MisconfigurationError",
+    "NonFiniteLossWarning",
     "StepError",
     "Trainer",
     "TrainState",

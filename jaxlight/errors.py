@@ -23,6 +23,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: incomplete, corrupt, or not matching the model."""
 
 
+class NonFiniteLossWarning(UserWarning):
+    """The training loss was NaN or Inf when the trainer fetched it (once per fit; training goes on).
+
+    The trainer's default notice; ``NonFiniteGuard`` stops the run or skips such updates instead.
+    """
+
+
 class Preempted(SystemExit):
     """``fit`` stopped at a preemption signal after writing that step's checkpoint.
 

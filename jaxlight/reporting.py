@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlight.errors import NonFiniteLossWarning
 from jaxlight.loggers.logger import LoggerCollection
 from jaxlight.metrics import DATALOADER_SUFFIX, Collector, LogSpec, MetricStore, to_host
 from jaxlight.rank_zero import rank_zero_warn
@@ -60,7 +61,7 @@ class MetricReporter:
     """Owns the metric stores and the three metric views of a Trainer.
 
     Guarantees: nothing here syncs with the device except :meth:`publish_step`,
-    :meth:`epoch_values`, :meth:`flush_eval_steps` and :meth:`refresh_progress_bar`;
+    :meth:`epoch_values`, :meth:`check_epoch_loss`, :meth:`flush_eval_steps` and :meth:`refresh_progress_bar`;
     loggers receive values on process 0 only, at Lightning's steps (the train
     step that produced them, ``global_step - 1``; per-batch evaluation values
     at the count of that loader's batches run so far), with Lightning's
@@ -83,8 +84,10 @@ class MetricReporter:
         self._loader_of: dict[str, int] = {}  # store key -> the evaluation loader it was logged under
         self._logged_loader: dict[str, int | None] = {}  # logged epoch name -> that loader (None: outside any)
         self._step_loss: Any = None  # the latest train step's loss (by reference), checked at the log cadence
+        self._checked_loss: Any = None  # the loss last fetched for the check: a later fetch of it is spared
         self._step_views: dict[tuple[str, ...], tuple[MetricStore, tuple]] = {}  # see on_train_step
         self._loss_warned = False
+        self._loss_ok_at: int | None = None  # the last step whose loss was checked and finite
 
     def store(self, stage: str) -> MetricStore:
         store = self.stores.get(stage)  # not setdefault: that would build a MetricStore on every call
@@ -201,8 +204,8 @@ class MetricReporter:
         """Fetch the last train step's values: progress bar and loggers (every ``log_every_n_steps``)."""
         store = self.stores.get("train")
         vals = {k: v for k, v in store.step_values.items() if store.specs[k].on_step} if store is not None else {}
-        if self._step_loss is not None and not self._loss_warned:  # fetched with the values: no extra sync
-            vals[_LOSS] = self._step_loss
+        if self._loss_due():  # fetched with the values: no extra sync
+            vals[_LOSS] = self._checked_loss = self._step_loss
         if not vals:
             return
         fetched = to_host(vals)
@@ -218,20 +221,54 @@ class MetricReporter:
                 logged[name] = v
         self.send(logged)
 
-    def _check_loss(self, loss: float) -> None:
-        """Warn once per run at the first non-finite training loss seen at the log cadence (unless a callback
-        already skips such updates, and says so itself)."""
+    def _loss_due(self) -> bool:
+        """Whether the latest train step's loss still needs a look: not yet warned this run, and not the
+        loss already fetched (an epoch that ends on a logging step)."""
+        return self._step_loss is not None and not self._loss_warned and self._step_loss is not self._checked_loss
+
+    def _check_loss(self, loss: float, epoch_end: bool = False) -> None:
+        """Warn once per run at the first non-finite training loss the host sees: at the log cadence, or the
+        last step's at an epoch's end (unless a callback already skips such updates, and says so itself)."""
         trainer = self._trainer
         if np.isfinite(loss) or any(cb.skip_nonfinite_updates for cb in trainer.callbacks):
+            self._loss_ok_at = trainer.global_step - 1
             return
         self._loss_warned = True
-        every = trainer.log_every_n_steps
-        rank_zero_warn(
-            f"jaxlight: the training loss is {loss} at step {trainer.global_step - 1} (checked every "
-            f"log_every_n_steps={every} steps, so it may have turned non-finite up to {every - 1} steps earlier); "
-            f"training goes on with it. ModelCheckpoint keeps its finite checkpoints (save_non_finite=False); "
-            f"NonFiniteGuard(action='stop' or 'skip') stops the run or skips such updates"
+        every, step = trainer.log_every_n_steps, trainer.global_step - 1
+        fix = (
+            "training goes on with it. ModelCheckpoint keeps its finite checkpoints (save_non_finite=False); "
+            "NonFiniteGuard(action='stop' or 'skip') stops the run or skips such updates"
         )
+        if not epoch_end:
+            rank_zero_warn(
+                f"jaxlight: the training loss is {loss} at step {step} (checked every "
+                f"log_every_n_steps={every} steps, so it may have turned non-finite up to {every - 1} steps "
+                f"earlier); {fix}",
+                category=NonFiniteLossWarning,
+            )
+            return
+        ok = self._loss_ok_at
+        since = (
+            f"the last check, at step {ok}, saw a finite loss, so it turned non-finite in steps {ok + 1}..{step}"
+            if ok is not None and ok < step
+            else "no earlier check saw the loss this run"
+        )
+        rank_zero_warn(
+            f"jaxlight: the training loss is {loss} at step {step} (the last step of epoch {trainer.current_epoch}, "
+            f"checked at the epoch's end and every log_every_n_steps={every} steps; {since}); {fix}",
+            category=NonFiniteLossWarning,
+        )
+
+    def check_epoch_loss(self) -> None:
+        """At an epoch's end: the epoch's last train loss, unless its logging step fetched it already.
+
+        One scalar per epoch, never per step, fetched after the epoch's own metrics (so the device has
+        already run that step): a run shorter than ``log_every_n_steps`` is not silent about a NaN.
+        """
+        if not self._loss_due():
+            return
+        self._checked_loss = self._step_loss
+        self._check_loss(float(np.asarray(jax.device_get(self._step_loss))), epoch_end=True)
 
     def refresh_progress_bar(self) -> None:
         """At epoch end, show the last step's progress-bar values even between logging steps."""
@@ -336,7 +373,7 @@ class MetricReporter:
         for store in self.stores.values():  # values go, the flags registered by compiled steps stay
             store.reset_epoch()
         self._host_col = None
-        self._step_loss, self._loss_warned = None, False
+        self._step_loss, self._loss_warned, self._checked_loss, self._loss_ok_at = None, False, None, None
         self.reset_eval_counts()
 
     def clear_views(self) -> None:
