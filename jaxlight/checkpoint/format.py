@@ -55,6 +55,13 @@ REQUIRED_ITEMS = ("meta", "model")
 # The files orbax writes at the top of a directory when it commits. A copy of a checkpoint puts them last,
 # so a copy cut short never holds REQUIRED_FILES.
 COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
+# The largest meta item read (bytes): a bigger file is refused unread, so a damaged or hostile one cannot
+# take minutes and gigabytes to parse (a 60 MB one took 24 s and ~1 GB). A run's metadata is small: large
+# host arrays go to the host_arrays item, a torchdata StatefulDataLoader state is ~7 KB, so the largest
+# legitimate one is per-process loader states, ~29 MB for 4096 processes; a single process's is well under
+# 1 MB. JAXLIGHT_MAX_CHECKPOINT_META_BYTES raises (or lowers) it.
+MAX_META_BYTES = 32 * 2**20
+META_BYTES_ENV = "JAXLIGHT_MAX_CHECKPOINT_META_BYTES"
 LIST_LIMIT = 20  # paths listed in an error before "... and N more"
 
 
@@ -456,11 +463,36 @@ class CheckpointMeta(dict):
     file: Path | None = None
 
 
+def meta_bytes_bound() -> int:
+    """The size bound of a checkpoint's meta item: :data:`MAX_META_BYTES`, or the value of
+    ``JAXLIGHT_MAX_CHECKPOINT_META_BYTES`` when set."""
+    raw = os.environ.get(META_BYTES_ENV)
+    if raw is None or not raw.strip():
+        return MAX_META_BYTES
+    try:
+        bound = int(raw)
+    except ValueError:
+        bound = -1
+    if bound <= 0:
+        raise CheckpointError(f"{META_BYTES_ENV}={raw!r} should be a positive number of bytes")
+    return bound
+
+
+def check_meta_size(f: Path) -> None:
+    """Refuse the metadata file ``f`` before reading it when it is larger than the bound (a stat, no read)."""
+    size, bound = f.stat().st_size, meta_bytes_bound()
+    if size > bound:
+        raise CheckpointError(
+            f"checkpoint metadata {f} is {size} bytes, over the bound of {bound} bytes for a meta item; it was not "
+            f"read (corrupt or not jaxlight's?). A real one this large: set {META_BYTES_ENV} above {size}"
+        )
+
+
 def read_meta(path: str | os.PathLike) -> CheckpointMeta:
     """The ``meta`` item of a checkpoint: readable facts (step, epoch, position, mesh) and the encoded host state.
 
-    Only JSON is parsed here. A missing, truncated or malformed file raises a
-    :class:`CheckpointError` naming it. Checkpoints of every format version
+    Only JSON is parsed here. A missing, truncated or malformed file, or one over :func:`meta_bytes_bound`
+    (checked by its size before it is read), raises a :class:`CheckpointError` naming it. Checkpoints of every format version
     are read, so ``"last"`` can find an old one;
     :func:`jaxlight.checkpoint.host_checkpoint` refuses the pickled ones.
     """
@@ -470,6 +502,7 @@ def read_meta(path: str | os.PathLike) -> CheckpointMeta:
         raise CheckpointError(
             f"{path} holds no jaxlight meta item ({f} is missing); it is not a jaxlight checkpoint or it is corrupt"
         )
+    check_meta_size(f)
     try:
         data = json.loads(f.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -506,6 +539,8 @@ __all__ = [
     "COMMIT_FILES",
     "FORMAT",
     "FORMAT_VERSION",
+    "MAX_META_BYTES",
+    "META_BYTES_ENV",
     "META_FILE",
     "REQUIRED_FILES",
     "REQUIRED_ITEMS",
@@ -523,7 +558,9 @@ __all__ = [
     "is_key",
     "is_whole",
     "free_bytes",
+    "check_meta_size",
     "listing",
+    "meta_bytes_bound",
     "missing_parts",
     "new_checkpointer",
     "order_key",

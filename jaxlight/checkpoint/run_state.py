@@ -31,6 +31,7 @@ from jaxlight.checkpoint.discovery import next_commit_seq
 from jaxlight.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
+    META_BYTES_ENV,
     CheckpointMeta,
     abstract_like,
     bytes_needed,
@@ -38,6 +39,7 @@ from jaxlight.checkpoint.format import (
     drop_unsaved_state,
     encode_keys,
     flatten,
+    meta_bytes_bound,
     read_meta,
     restore_arrays,
     unflatten_like,
@@ -45,6 +47,7 @@ from jaxlight.checkpoint.format import (
 )
 from jaxlight.checkpoint.host_state import encode_host, host_checkpoint, hparams_text, save_error
 from jaxlight.errors import CheckpointError
+from jaxlight.rank_zero import rank_zero_warn
 
 # the fields of a snapshot that hold arrays (a pytree's children); the others are host data
 ARRAY_FIELDS = ("params", "model_state", "opt_state", "callback_state", "step")
@@ -180,7 +183,12 @@ def prepare(
         groups, impls = _groups(snap)
         seq = next_commit_seq(path.parent) if commit_seq is None else commit_seq
         meta = _meta(snap, host_state, len(host_arrays), impls, reason, seq)
-        json.dumps(meta, allow_nan=False)  # standard JSON (the readable facts are plain too)
+        size = len(json.dumps(meta, allow_nan=False).encode("utf-8"))  # standard JSON (the facts are plain too)
+        if size > meta_bytes_bound():  # saved all the same: refusing would stop the run; a resume needs the bound
+            rank_zero_warn(
+                f"jaxlight: the metadata of checkpoint {path} is about {size} bytes, over the {meta_bytes_bound()} "
+                f"bytes a resume reads; set {META_BYTES_ENV} above it to resume from it"
+            )
         text = hparams_text(snap.host)
         if path.exists():
             raise CheckpointError(f"checkpoint path {path} already exists; refusing to overwrite it")

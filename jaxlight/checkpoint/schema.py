@@ -120,7 +120,8 @@ def check_host(ckpt: Any, where: Any, meta: Mapping[str, Any] | None = None) -> 
     fl = loops.get("fit_loop") if isinstance(loops, dict) else None
     at = "checkpoint['loops']['fit_loop']"
     _want(where, at, fl, isinstance(fl, dict), "a dict")
-    for key in ("resume_epoch", "batches_in_epoch", "micro_batches") + (("window",) if "window" in fl else ()):
+    optional = tuple(k for k in ("window", "skipped_updates") if k in fl)  # older checkpoints lack them
+    for key in ("resume_epoch", "batches_in_epoch", "micro_batches") + optional:
         _want(where, f"{at}[{key!r}]", fl.get(key), is_count(fl.get(key)), COUNT)
     _want(where, f"{at}['fresh_epoch']", fl.get("fresh_epoch"), type(fl.get("fresh_epoch")) is bool, "a bool")
     by_process = fl.get("loader_states_by_process")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from jaxlight.checkpoint import run_state
 from jaxlight.checkpoint.discovery import as_given, find_last, no_last_reason, resolve, search_dirs
@@ -145,6 +146,12 @@ def host_of(view: RunView, weights_only: bool = False) -> dict[str, Any]:
     fit_loop["loader_states_by_process"] = (
         gather_loader_states(loader_state) if _loaders_are_per_process(view) else None
     )
+    if view.train_state is not None:
+        # Updates the device step counter did not count (NonFiniteGuard("skip") drops them; global_step counts
+        # them): a resume checks global_step against the restored counter plus these. One scalar, read as the
+        # save copies the arrays off the devices anyway.
+        counter = int(np.asarray(view.train_state.step.addressable_data(0)))
+        fit_loop["skipped_updates"] = position.global_step - counter
     # epoch-level self.log accumulators of the epoch in progress
     fit_loop["train_metrics"] = view.reporter.epoch_state_dict("train") if fit_loop["batches_in_epoch"] else None
     ckpt: dict[str, Any] = {
@@ -278,13 +285,78 @@ def restore_into_trainer(trainer: Trainer, ckpt_path: str | os.PathLike, stage: 
         _check_callback_states(view.callbacks, ckpt, meta.file or path)
         if _prepare_callbacks(view, ckpt):
             view = view_of(trainer)  # what the arrays restore into may have changed
+    if fit:
+        check_loader_position(ckpt, path)
     like, shardings = _like(view, with_train=fit)
     restored = run_state.restore(like, path, shardings=shardings, optional=holder_keys(view.engine.parts), host=host)
+    if fit and restored.has_train:
+        check_step_counter(ckpt, restored.step, path)  # before anything is written into the trainer
     apply_restored(trainer, view, restored, stage=stage, path=path, ckpt_path=as_given(ckpt_path, path))
     rank_zero_info(
         f"jaxlight: restored {stage} state from {path} (global step {meta.get('global_step')}, "
         f"epoch {meta.get('epoch')})"
     )
+
+
+def check_step_counter(ckpt: Mapping[str, Any], step: Any, path: Path) -> None:
+    """The global step the metadata names agrees with the train state's step counter restored beside it.
+
+    The counter counts the optimizer updates applied (``accumulate_grad_batches`` micro-batches make one, as
+    for ``global_step``); a checkpoint records how many updates it did not count
+    (``fit_loop["skipped_updates"]``, NonFiniteGuard's skipped ones), so ``global_step == counter + skipped``.
+    Checkpoints older than that record hold ``counter <= global_step <= micro_batches`` (a skipped update lowers
+    the counter; every update consumes at least one micro-batch). Otherwise a :class:`CheckpointError` naming
+    both numbers and ``path``: a resume would continue at a step its arrays never reached.
+    """
+    fl = ckpt["loops"]["fit_loop"]
+    gs, counter = ckpt["global_step"], int(np.asarray(step.addressable_data(0)))
+    skipped = fl.get("skipped_updates")
+    if skipped is not None:
+        if gs == counter + skipped:
+            return
+        also = f" plus the {skipped} updates it records as skipped" if skipped else ""
+        raise CheckpointError(
+            f"checkpoint {path} is inconsistent: its metadata says global step {gs}, but the train state's step "
+            f"counter (the optimizer updates its arrays have seen) is {counter}{also}, which makes "
+            f"{counter + skipped}; refusing to resume from it"
+        )
+    mb = fl["micro_batches"]
+    if not counter <= gs <= mb:
+        raise CheckpointError(
+            f"checkpoint {path} is inconsistent: its metadata says global step {gs} after {mb} micro-batches, but "
+            f"the train state's step counter (the optimizer updates its arrays have seen) is {counter}; a global "
+            f"step lies between the counter and the micro-batches; refusing to resume from it"
+        )
+
+
+def check_loader_position(ckpt: Mapping[str, Any], path: Path) -> None:
+    """The position in the epoch the metadata names agrees with the train loader state stored beside it.
+
+    Checked where the loader state says it: a torchdata ``StatefulDataLoader`` counts the batches it yielded
+    this epoch (``_num_yielded``), a ``GrainLoader`` its epoch. A finished epoch (``fresh_epoch``) resumes at the
+    next one from a fresh loader, so there is nothing to compare. A disagreement is a :class:`CheckpointError`
+    naming both numbers and ``path``.
+    """
+    fl = ckpt["loops"]["fit_loop"]
+    if fl.get("fresh_epoch"):
+        return
+    at, epoch = fl["batches_in_epoch"], fl["resume_epoch"]
+    states = [fl.get("loader_state")] + list(fl.get("loader_states_by_process") or [])
+    for state in states:
+        if not isinstance(state, Mapping):
+            continue
+        n = state.get("_num_yielded")
+        if type(n) is int and n != at:
+            raise CheckpointError(
+                f"checkpoint {path} is inconsistent: its metadata resumes after batch {at} of epoch {epoch}, but "
+                f"the train loader state stored with it has yielded {n} batches of that epoch; refusing to resume"
+            )
+        e = state.get("epoch") if set(state) == {"epoch", "iterator"} else None  # a GrainLoader's state
+        if type(e) is int and e != epoch:
+            raise CheckpointError(
+                f"checkpoint {path} is inconsistent: its metadata resumes inside epoch {epoch}, but the train "
+                f"loader state stored with it is at epoch {e}; refusing to resume"
+            )
 
 
 def _check_callback_states(callbacks: Sequence[Any], ckpt: Mapping[str, Any], where: Any) -> None:
