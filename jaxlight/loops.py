@@ -583,11 +583,13 @@ class FitLoop:
                 self.validate(val_loaders)  # a loader without a length: its last batch is known only now
             # epoch end: epoch-level train metrics first, so epoch-end hooks see them
             epoch_logged = reporter.epoch_values("train")
-            reporter.check_epoch_loss()  # a NaN loss is said by the epoch's end, whatever log_every_n_steps is
             reporter.stage = "train"
             engine.binding.sync_module()
             self.call_train_epoch_end()
             epoch_logged.update(reporter.epoch_values("train"))
+            # a NaN loss is said by the epoch's end, whatever log_every_n_steps is (after the epoch-end hooks:
+            # a NonFiniteGuard raising there says it first)
+            reporter.check_epoch_loss()
             reporter.refresh_progress_bar()
             reporter.send(epoch_logged)
             pos.end_epoch()
