@@ -88,6 +88,10 @@ class ModelCheckpoint(CheckpointPolicy, Callback):
       ``dirpath``, where top-k and ``ckpt_path="last"`` look); nor may a metric
       name that ``auto_insert_metric_name`` inserts (``{val/loss}``): that is
       refused at fit start.
+
+    The policy is :class:`~jaxlight.callbacks.checkpoint_policy.CheckpointPolicy` (``at_train_batch_end(info)``
+    and the other ``at_*`` methods take a :class:`~jaxlight.step_info.StepInfo` and return a ``Decision``);
+    the hooks here build the info and carry the decision out.
     """
 
     is_checkpoint_callback = True
