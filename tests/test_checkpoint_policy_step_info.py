@@ -77,6 +77,20 @@ def name(epoch: int, step: int | None = None, **extra) -> str:
     return "-".join([f"epoch={epoch}", f"step={step}"] + [f"{k}={v}" for k, v in extra.items()]) + ".ckpt"
 
 
+def test_of_trainer_fills_the_fields_the_policy_reads(tmp_path):
+    trainer = jl.Trainer(default_root_dir=str(tmp_path), limit_val_batches=0.5, **quiet())
+    info = StepInfo.of_trainer(trainer)
+    assert (info.num_training_batches, info.num_val_batches, info.limit_val_batches) == (math.inf, 0, 0.5)
+    assert (info.has_val_dataloaders, info.ckpt_path, info.default_root_dir) == (False, None, str(tmp_path))
+    trainer.num_training_batches, trainer.num_val_batches, trainer.ckpt_path = 4, [2, 3], "x/last.ckpt"
+    trainer.val_dataloaders = [(np.zeros(2), np.zeros(2))]
+    info = StepInfo.of_trainer(trainer)
+    assert (info.num_training_batches, info.num_val_batches, info.has_val_dataloaders) == (4, (2, 3), True)
+    assert ModelCheckpoint(dirpath=str(tmp_path))._resume_path(info) == os.path.abspath("x/last.ckpt")
+    # without a logger, checkpoints go under default_root_dir, as the Trainer's log_dir says
+    assert ModelCheckpoint()._default_dirpath(info) == os.path.join(trainer.log_dir, "checkpoints")
+
+
 def test_every_n_train_steps_saves_every_nth_optimizer_step_and_writes_nothing_itself(tmp_path):
     mc = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, save_top_k=-1)
     d = fit(mc, epochs=3, validate=False)
