@@ -2,11 +2,12 @@
 
 jaxlight's own host-side callbacks (``EMA``, ``ThroughputMonitor``,
 ``NonFiniteGuard``, ``EarlyStopping``, ``Timer``, ``LearningRateMonitor``,
-``Preemption``) keep their logic in methods
+``Preemption``, ``ModelCheckpoint``) keep their logic in methods
 that take a :class:`StepInfo`; their Lightning hooks ``(trainer, pl_module,
 ...)`` only build one with :meth:`StepInfo.of_trainer` and apply what the
-logic decides (set ``trainer.should_stop``, log metrics). So the logic runs,
-and is tested, from a stream of hand-made infos with no Trainer.
+logic decides (set ``trainer.should_stop``, log metrics, write the checkpoint
+a :class:`~jaxlight.callbacks.checkpoint_policy.Decision` names). So the logic
+runs, and is tested, from a stream of hand-made infos with no Trainer.
 
 Nothing here imports above layer 0: the Trainer and the train state are
 named only for type checkers.
@@ -15,6 +16,7 @@ named only for type checkers.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Mapping
 from time import perf_counter
@@ -86,6 +88,16 @@ class StepInfo:
     - ``micro_batches``: train batches consumed over the whole run (each micro-batch of an accumulated
       update counts); ``batches_in_epoch``: train batches of the current epoch consumed;
     - ``steps_per_execution``: train batches one compiled execution runs (the Trainer's argument).
+
+    Read by ``ModelCheckpoint``'s policy (:mod:`jaxlight.callbacks.checkpoint_policy`; appended, defaulted
+    like the rest):
+
+    - ``num_training_batches``: train batches per epoch (``math.inf``: the loader's length is unknown);
+    - ``num_val_batches``: validation batches per run, known once validation has run (a tuple, one count per
+      loader, with several loaders; 0 before); ``limit_val_batches``: the Trainer's argument;
+      ``has_val_dataloaders``: this fit has validation loaders;
+    - ``ckpt_path``: the checkpoint this run restored from, as given (None: a fresh run);
+    - ``default_root_dir``: the Trainer's argument, resolved (where checkpoints go without a logger).
     """
 
     stage: str = ""
@@ -113,6 +125,12 @@ class StepInfo:
     micro_batches: int = 0
     batches_in_epoch: int = 0
     steps_per_execution: int = 1
+    num_training_batches: int | float = math.inf
+    num_val_batches: int | float | tuple[int | float, ...] = 0
+    limit_val_batches: int | float = 1.0
+    has_val_dataloaders: bool = False
+    ckpt_path: str | None = None
+    default_root_dir: str = ""
 
     @classmethod
     def of_trainer(
@@ -162,4 +180,10 @@ class StepInfo:
             micro_batches=position.micro_batches,
             batches_in_epoch=position.batches_in_epoch,
             steps_per_execution=config.steps_per_execution,
+            num_training_batches=trainer.num_training_batches,
+            num_val_batches=tuple(nvb) if isinstance(nvb := trainer.num_val_batches, list) else nvb,
+            limit_val_batches=config.limit_val_batches,
+            has_val_dataloaders=trainer.val_dataloaders is not None,
+            ckpt_path=trainer.ckpt_path,
+            default_root_dir=config.default_root_dir,
         )
