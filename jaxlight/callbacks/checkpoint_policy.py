@@ -134,7 +134,8 @@ class CheckpointPolicy:
     def record_step_loss(self, outputs: Mapping[str, Any] | None) -> None:
         """Keep the train step's loss by reference (no sync): fetched only when a save is decided, to judge
         ``save_non_finite``."""
-        self._step_loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+        # a dict first: this runs every step, and the Mapping check goes through abc
+        self._step_loss = outputs.get("loss") if type(outputs) is dict or isinstance(outputs, Mapping) else None
 
     def at_train_batch_end(self, info: StepInfo) -> Decision:
         """After a train batch: ``every_n_train_steps`` / ``train_time_interval`` (process 0's clock decides).
