@@ -4,7 +4,8 @@
 the epoch's end, naming the step. 4: a checkpoint whose metadata claims another global step (or another position
 in the epoch) than its arrays (the train state's step counter) and its loader state say was resumed blindly; it is
 now refused before any training. 7: a metadata file of any size was read whole; one over the documented bound is
-now refused before it is read.
+now refused before it is read. 5: a checkpoint directory replaced by a regular file mid-run ended the run with a
+raw ``FileExistsError``; it is now a ``CheckpointError`` naming the path and what is there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import json
 import os
 import pathlib
+import shutil
 import warnings
 
 import numpy as np
@@ -206,3 +208,40 @@ def test_a_save_over_the_metadata_bound_warns(tmp_path, monkeypatch):
     t.fit(DropoutClassifier(), _data(1))
     with pytest.warns(UserWarning, match=r"over the 100 bytes a resume reads; set JAXLIGHT_MAX_CHECKPOINT_META"):
         t.save_checkpoint(tmp_path / "c.ckpt")
+
+
+# ---------------------------------------------------------------------------- 5: directory faults are named
+class _ReplaceDir(jl.Callback):
+    """At the end of epoch 0 (before ModelCheckpoint's save: checkpoint callbacks run last, as in Lightning):
+    delete the checkpoint directory, and put a file there."""
+
+    def __init__(self, path: pathlib.Path, with_file: bool) -> None:
+        self.path, self.with_file = path, with_file
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            shutil.rmtree(self.path)
+            if self.with_file:
+                self.path.write_text("not a directory")
+
+
+def test_a_checkpoint_directory_replaced_by_a_file_mid_run_is_a_named_checkpoint_error(tmp_path):
+    """Before: a raw ``FileExistsError`` from ``os.makedirs`` at the next save."""
+    d = tmp_path / "ck"
+    ck = MC(dirpath=str(d), save_top_k=-1)
+    t = jl.Trainer(max_epochs=2, callbacks=[_ReplaceDir(d, with_file=True), ck], **_quiet())
+    says = rf"{d} is not a directory \(a file is at that path\): checkpoint epoch=0-step=4.ckpt was not saved"
+    with pytest.raises(jl.CheckpointError, match=says):
+        t.fit(DropoutClassifier(), _data())
+    assert t.global_step == 4 and d.read_text() == "not a directory"  # the stranger's file is left alone
+    # at the next fit's start, the same message (not "not writable (File exists)")
+    t2 = jl.Trainer(max_epochs=1, callbacks=[MC(dirpath=str(d))], **_quiet())
+    with pytest.raises(jl.CheckpointError, match=rf"{d} is not a directory \(a file is at that path\): the first"):
+        t2.fit(DropoutClassifier(), _data())
+
+
+def test_a_checkpoint_directory_deleted_mid_run_is_made_again_and_the_run_checkpoints_on(tmp_path):
+    d = tmp_path / "ck"
+    t = jl.Trainer(max_epochs=2, callbacks=[_ReplaceDir(d, with_file=False), MC(dirpath=str(d))], **_quiet())
+    t.fit(DropoutClassifier(), _data())
+    assert sorted(p.name for p in d.glob("*.ckpt")) == ["epoch=1-step=8.ckpt"]

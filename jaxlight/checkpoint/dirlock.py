@@ -153,10 +153,18 @@ def _open(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
-def _not_writable(dirpath: str, e: OSError) -> CheckpointError:
+def directory_error(dirpath: str, e: OSError, what: str = "the first checkpoint could not be saved") -> CheckpointError:
+    """The :class:`CheckpointError` for a checkpoint directory that cannot be created or written: names the
+    path and the problem (something else at that path, or the OS's reason)."""
+    if os.path.lexists(dirpath) and not os.path.isdir(dirpath):
+        kind = "a link to nowhere" if os.path.islink(dirpath) else "a file"
+        return CheckpointError(
+            f"checkpoint directory {dirpath} is not a directory ({kind} is at that path): {what}. Move it away "
+            f"or pass ModelCheckpoint(dirpath=...) another directory"
+        )
     return CheckpointError(
-        f"checkpoint directory {dirpath} is not writable ({e.strerror or e}): the first checkpoint could not be "
-        f"saved. Pass ModelCheckpoint(dirpath=...) a directory this process may write to"
+        f"checkpoint directory {dirpath} is not writable ({e.strerror or e}): {what}. Pass "
+        f"ModelCheckpoint(dirpath=...) a directory this process may write to"
     )
 
 
@@ -175,7 +183,7 @@ def acquire(dirpath: str, owner: str = "ModelCheckpoint") -> DirLock:
     try:
         os.makedirs(d, exist_ok=True)
     except OSError as e:
-        raise _not_writable(dirpath, e) from None
+        raise directory_error(dirpath, e) from None
     beside, inside = lock_paths(d)
     host = socket.gethostname()
     for _ in range(20):  # a holder releasing between our open and our flock: try again on the new file
@@ -183,16 +191,16 @@ def acquire(dirpath: str, owner: str = "ModelCheckpoint") -> DirLock:
             path, fd = beside, _open(beside)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise _not_writable(dirpath, e) from None
+                raise directory_error(dirpath, e) from None
             try:  # the parent is read-only: the lock goes inside
                 path, fd = inside, _open(inside)
             except OSError as e2:
-                raise _not_writable(dirpath, e2) from None
+                raise directory_error(dirpath, e2) from None
         if not os.access(d, os.W_OK):
             os.close(fd)
             read_only = bool(os.statvfs(d).f_flag & getattr(os, "ST_RDONLY", 1))
             err = errno.EROFS if read_only else errno.EACCES
-            raise _not_writable(dirpath, OSError(err, os.strerror(err)))
+            raise directory_error(dirpath, OSError(err, os.strerror(err)))
         locked = True
         if fcntl is not None:
             try:
@@ -233,7 +241,7 @@ def acquire(dirpath: str, owner: str = "ModelCheckpoint") -> DirLock:
             os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
         except OSError as e:
             os.close(fd)
-            raise _not_writable(dirpath, e) from None
+            raise directory_error(dirpath, e) from None
         lock = DirLock(d, path, fd)
         with _registry_lock:
             _held[d] = lock

@@ -107,7 +107,13 @@ class CheckpointWriter:
         if self.checkpointer is None:  # jaxlight's checkpointer, committing through this writer's publisher
             self.checkpointer = publish.publishing_checkpointer(self.async_save, self.publisher)
         if self.primary:
-            os.makedirs(os.path.dirname(filepath), exist_ok=True)
+            parent = os.path.dirname(filepath)
+            try:  # the directory may have been deleted or replaced since the run took it
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                raise dirlock.directory_error(
+                    parent, e, f"checkpoint {os.path.basename(filepath)} was not saved"
+                ) from e
         # orbax waits for the previous save before it starts this one; waiting here first lets a failure of
         # that save (a full disk) be reported with its own path and size
         self.wait()
