@@ -363,13 +363,22 @@ class EvalLoop:
         finally:
             ahead.clear()
             reporter.dataloader_idx = None
-        hooks.call(f"on_{hook}_epoch_end")
+        # Lightning's order: the epoch's reductions (and, inside fit, the latest train step's progress-bar
+        # values) are in callback/logged/progress-bar metrics before the epoch-end hooks run; what the hooks
+        # log joins them after, and the loggers get all of it once
         metrics: dict[str, float] = {}
+        logs = log and not predict and not state.sanity_checking
         if not predict:
-            if log and not state.sanity_checking:
+            if logs:
                 reporter.flush_eval_steps()
             metrics = reporter.epoch_values(stage.name)
-            if log and not state.sanity_checking:
+            reporter.logged_metrics.update(metrics)  # the sanity check's too: it clears the views after
+            if state.training:
+                reporter.refresh_progress_bar()
+        hooks.call(f"on_{hook}_epoch_end")
+        if not predict:
+            metrics.update(reporter.epoch_values(stage.name))
+            if logs:
                 reporter.send(metrics, step=log_step)
         hooks.call(f"on_{hook}_end")
         # Lightning's undo of on_*_model_eval (jaxlight never changes the module's own mode, so only the hook)
@@ -582,7 +591,10 @@ class FitLoop:
             ):
                 self.validate(val_loaders)  # a loader without a length: its last batch is known only now
             # epoch end: epoch-level train metrics first, so epoch-end hooks see them
+            # (logged and progress-bar metrics too, as in Lightning; the loggers get them after the hooks)
             epoch_logged = reporter.epoch_values("train")
+            reporter.logged_metrics.update(epoch_logged)
+            reporter.refresh_progress_bar()
             reporter.stage = "train"
             engine.binding.sync_module()
             self.call_train_epoch_end()
@@ -590,7 +602,6 @@ class FitLoop:
             # a NaN loss is said by the epoch's end, whatever log_every_n_steps is (after the epoch-end hooks:
             # a NonFiniteGuard raising there says it first)
             reporter.check_epoch_loss()
-            reporter.refresh_progress_bar()
             reporter.send(epoch_logged)
             pos.end_epoch()
         engine.binding.sync_module()

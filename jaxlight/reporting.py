@@ -87,6 +87,7 @@ class MetricReporter:
         self._checked_loss: Any = None  # the loss last fetched for the check: a later fetch of it is spared
         self._step_views: dict[tuple[str, ...], tuple[MetricStore, tuple]] = {}  # see on_train_step
         self._loss_warned = False
+        self._pbar_current = True  # progress_bar_metrics hold the latest train step's values (fetched)
         self._loss_ok_at: int | None = None  # the last step whose loss was checked and finite
 
     def store(self, stage: str) -> MetricStore:
@@ -129,6 +130,7 @@ class MetricReporter:
         """Record one train step's logged values (device arrays, by reference) as the latest callback and
         logged metrics, and its ``loss`` (checked for NaN/Inf by :meth:`publish_step`)."""
         self._step_loss = loss
+        self._pbar_current = False
         store = self.store("train")
         store.update(logs)
         values = store.step_values
@@ -153,13 +155,11 @@ class MetricReporter:
     def on_eval_step(self, stage: str, logs: Mapping[str, Any], dataloader_idx: int = 0) -> None:
         """Record one evaluation step's values. Values logged ``on_step`` become ``logged_metrics`` now (by
         reference) and a logger row at Lightning's step (the loader's batch count), sent by
-        :meth:`flush_eval_steps`; never during the sanity check."""
+        :meth:`flush_eval_steps`; never sent during the sanity check."""
         store = self.store(stage)
         store.update(logs)
         for k in logs:
             self._loader_of.setdefault(k, dataloader_idx)
-        if self._trainer.sanity_checking:
-            return
         row = {}
         for k in logs:
             spec = store.specs[k]
@@ -167,6 +167,8 @@ class MetricReporter:
                 name = _name(spec, k, "step")
                 self.logged_metrics[name] = logs[k][0]
                 row[name] = logs[k][0]
+        if self._trainer.sanity_checking:  # seen by the sanity check's hooks (cleared after it), never sent
+            return
         pbar = {k: logs[k][0] for k in logs if store.specs[k].on_step and store.specs[k].prog_bar}
         if row or pbar:
             key = (stage, dataloader_idx)
@@ -209,6 +211,7 @@ class MetricReporter:
         if not vals:
             return
         fetched = to_host(vals)
+        self._pbar_current = True
         if _LOSS in fetched:
             self._check_loss(fetched.pop(_LOSS))
         logged = {}
@@ -271,9 +274,11 @@ class MetricReporter:
         self._check_loss(float(np.asarray(jax.device_get(self._step_loss))), epoch_end=True)
 
     def refresh_progress_bar(self) -> None:
-        """At epoch end, show the last step's progress-bar values even between logging steps."""
-        if self._trainer.global_step % self._trainer.log_every_n_steps == 0:
+        """Show the last train step's progress-bar values even between logging steps (epoch ends, and
+        validation inside fit, read them as Lightning's do); no fetch when they are already there."""
+        if self._pbar_current:
             return
+        self._pbar_current = True
         store = self.stores.get("train")
         if store is None:
             return

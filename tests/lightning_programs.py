@@ -111,10 +111,21 @@ class Run:
     results: Any = None  # validate/test return values, predictions
     estimated_stepping_batches: Any = None
     num_training_batches_in_configure: Any = None
+    # at each epoch-end hook (callback and module): (owner, hook, callback, logged, progress-bar metrics,
+    # whether in the sanity check)
+    epoch_end_metrics: list[tuple] = field(default_factory=list)
 
 
 def _metrics(d: dict) -> dict[str, float]:
     return {k: float(np.asarray(v.detach() if hasattr(v, "detach") else v)) for k, v in d.items()}
+
+
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+def _metric_views(trainer) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """``callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` as a hook sees them."""
+    return _metrics(trainer.callback_metrics), _metrics(trainer.logged_metrics), _metrics(trainer.progress_bar_metrics)
 
 
 def _nested(preds: list, fn) -> list:
@@ -146,6 +157,8 @@ def _make_recorder_hook(name: str):
         idx, dl = _batch_args(name, args, kwargs)
         rec.events.append(("cb", name, idx, dl, trainer.global_step, trainer.current_epoch))
         rec.weights.append(self._read(pl_module))
+        if name in EPOCH_END_HOOKS:
+            rec.epoch_end_metrics.append(("cb", name, *_metric_views(trainer), trainer.sanity_checking))
 
     hook.__name__ = name
     return hook
@@ -166,6 +179,8 @@ def _module_hook(name: str, base: Any):
         t = self.trainer
         self._run.events.append(("module", name, idx, dl, t.global_step, t.current_epoch))
         self._run.weights.append(None)
+        if name in EPOCH_END_HOOKS:
+            self._run.epoch_end_metrics.append(("module", name, *_metric_views(t), t.sanity_checking))
         return base(self, *args, **kwargs)
 
     hook.__name__ = name
