@@ -16,6 +16,7 @@ import jax
 
 from jaxlight import distributed
 from jaxlight.callbacks.callback import Callback
+from jaxlight.checkpoint.trainer_io import find_last_checkpoint
 from jaxlight.errors import Preempted
 from jaxlight.rank_zero import rank_zero_info
 from jaxlight.step_info import StepInfo
@@ -71,7 +72,12 @@ class Preemption(Callback):
     without a checkpoint. Single-process runs pay no per-step cost beyond
     reading a Python attribute. Handlers are installed for the duration of
     ``fit`` only (from the main thread) and the previous handlers are put back
-    afterwards.
+    afterwards: at its ``teardown``, once the checkpoint callbacks' last
+    (asynchronous) saves have committed. A signal that arrives after the last
+    step, while those commits finish, lets them finish (within
+    ``stop_timeout`` of the signal, else the process exits with status 143
+    without waiting further) and ``fit`` then raises :class:`jaxlight.Preempted`
+    naming the final checkpoint, published under its final name.
     """
 
     # with steps_per_execution its per-batch hooks run at execution ends only (it stops from the train state)
@@ -106,6 +112,9 @@ class Preemption(Callback):
         self._progress_at = 0.0  # ... of the last batch the loop took
         self._stopping = False  # the stop (its checkpoint) is being written
         self._heartbeat: distributed.Heartbeat | None = None  # multi-process: which peers are gone
+        self._finishing = False  # training is over: teardown waits for the final commits (watcher's message)
+        self._failed = False  # fit is ending by an error (on_exception ran): that error is what fit raises
+        self._pending: BaseException | None = None  # what teardown raised, re-raised by wait_until_finished
 
     @property
     def state_key(self) -> str:
@@ -128,6 +137,7 @@ class Preemption(Callback):
             return
         self.received, self._stop_at, self._announced = None, None, False
         self._stopping, self._fit_start_micro = False, None
+        self._finishing, self._failed, self._pending = False, False, None
         self._trainer = trainer
         # Process-wide fit counter: every process runs the same sequence of fits (SPMD), so the
         # namespace agrees across processes, and a key left by an earlier fit is never reused.
@@ -143,6 +153,43 @@ class Preemption(Callback):
         self._watch = _SignalWatch.start(self)
 
     def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        # The handlers stay until the last asynchronous save has committed: restored earlier, a SIGTERM during
+        # that wait killed the process (status -15) and left the final checkpoint staged under a temporary name.
+        # Errors (Preempted, a commit's) are held for wait_until_finished, which the trainer calls after every
+        # callback's teardown, so the checkpoint callbacks still release their directories.
+        try:
+            if stage == "fit" and self._previous and trainer is self._trainer:
+                self._finish(trainer)
+        except BaseException as e:
+            self._pending = e
+        finally:
+            self._restore()
+
+    def _finish(self, trainer: Trainer) -> None:
+        """After the last step (fit did not fail and no stop was made yet): wait for the checkpoint callbacks'
+        commits with the handlers installed; a signal received meanwhile (or after the last step) stops the run
+        as at any stop point, the final checkpoint being the one written."""
+        if self._stopping or self._failed:
+            return
+        self._finishing = True  # the watcher bounds this wait by stop_timeout once a signal came
+        for cb in trainer.checkpoint_callbacks:
+            cb.wait_until_finished()
+        if self.received is None:
+            return
+        if jax.process_count() == 1:
+            self._stop(trainer)  # raises; the final point is saved, so save_now returns that checkpoint
+            return
+        # Several processes: the signal may have reached this one only, after every collective: no new save
+        # (the others would not join it); the newest committed checkpoint is the one to resume from.
+        self._stopping = True
+        info = StepInfo.of_trainer(trainer)
+        path = find_last_checkpoint(trainer)
+        where = f"training had finished; its last checkpoint is {path}" if path else "training had finished"
+        if self.verbose:
+            rank_zero_info(self.stop_message(info, self.received, where, path is not None))
+        raise Preempted(info.global_step, str(path) if path else None, self.received)
+
+    def _restore(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -153,6 +200,17 @@ class Preemption(Callback):
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         self._previous = {}
         self._trainer = None
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._failed = True
+
+    def wait_until_finished(self) -> None:
+        """Raise what this callback's ``teardown`` held back: :class:`jaxlight.Preempted` for a signal that came
+        after the last step (or an error of the final commits it waited for). The trainer calls it once every
+        callback's teardown ran."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            raise pending
 
     def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
         self.begin(StepInfo.of_trainer(trainer))
@@ -389,9 +447,10 @@ class _SignalWatch:
                 late = time.monotonic() - max(owner._received_at, owner._progress_at)
                 if late >= min(5.0, owner.stop_timeout / 2) and not owner._stopping:
                     warned = True
+                    what = "the final checkpoint to commit" if owner._finishing else "a point to stop at"
                     _say(
                         f"jaxlight: process {jax.process_index()} got {signal.Signals(owner.received).name} "
-                        f"{late:.0f} s ago and is still waiting for a point to stop at (the main thread is in "
+                        f"{late:.0f} s ago and is still waiting for {what} (the main thread is in "
                         f"{_main_thread_at()}); it exits without a checkpoint after stop_timeout="
                         f"{owner.stop_timeout:g} s, or at once on a second signal"
                     )
@@ -405,9 +464,17 @@ class _SignalWatch:
                 )
                 os._exit(143)
             if owner._overdue():
-                _say(
-                    f"jaxlight: process {jax.process_index()} reached no stop point within stop_timeout="
-                    f"{owner.stop_timeout:g} s of {signal.Signals(owner.received).name} (the main thread is in "
-                    f"{_main_thread_at()}); exiting with status 143 without a preemption checkpoint"
-                )
+                name, where = signal.Signals(owner.received).name, _main_thread_at()
+                if owner._finishing:
+                    _say(
+                        f"jaxlight: process {jax.process_index()}: the final checkpoint did not commit within "
+                        f"stop_timeout={owner.stop_timeout:g} s of {name} (the main thread is in {where}); exiting "
+                        f"with status 143 without waiting for it"
+                    )
+                else:
+                    _say(
+                        f"jaxlight: process {jax.process_index()} reached no stop point within stop_timeout="
+                        f"{owner.stop_timeout:g} s of {name} (the main thread is in {where}); exiting with status "
+                        f"143 without a preemption checkpoint"
+                    )
                 os._exit(143)

@@ -6,14 +6,17 @@ import csv
 import io
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight.integrations import require
+from jaxlight.loggers.delivery import logger_notice
 from jaxlight.loggers.logger import Logger, artifact_step, flatten_hparams, image_batch, safe_key, text_table
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a parameter value's length
+RESUMED_FROM_TAG = "jaxlight.resumed_from_run_id"  # on a run created because the store of this one was deleted
 
 
 class MLFlowLogger(Logger):
@@ -40,6 +43,14 @@ class MLFlowLogger(Logger):
     images (``MlflowClient.log_image(key=..., step=...)``, shown with a step
     slider in the UI; ``key_<i>`` for the i-th of several). MLflow has no
     image captions; captions go to the other loggers only.
+
+    A local store deleted during the run (the SQLite file or its directory, or
+    a ``file:`` store's directory) is noticed at the next call (one
+    ``os.stat`` per call): the store is created again and, its run gone with
+    it, a new run (same experiment name, run name and tags, the parameters
+    logged again) gets the rest of the run, tagged
+    ``jaxlight.resumed_from_run_id`` with the old run's id; one
+    ``LoggerDeliveryWarning`` names the store and both runs.
 
     While ``fit`` runs, the trainer's calls reach MLflow from a worker
     thread (``background_delivery``): a slow server or a locked SQLite database
@@ -88,18 +99,34 @@ class MLFlowLogger(Logger):
         self._experiment_id: str | None = None
         self._client: Any = None
         self._logged_params: dict[str, str] = {}
+        self._lock = threading.RLock()  # the worker thread and the training thread may both (re)connect
+        self._store_path = _local_store_path(tracking_uri)  # the file or directory a local store lives in
+        self._store_id: tuple[int, int] | None = None  # its (device, inode) once connected
+        self._reopens = 0
+        self._run_label: str | None = None  # the run's name in MLflow (given or generated), for a new run
 
     @property
     def experiment(self) -> Any:
-        """The ``mlflow.tracking.MlflowClient``; creates the experiment and the run on first access."""
-        if self._client is not None:
+        """The ``mlflow.tracking.MlflowClient``; creates the experiment and the run on first access (and again
+        when the local store was deleted)."""
+        client = self._client
+        if client is not None and (self._store_path is None or _identity(self._store_path) == self._store_id):
+            return client
+        with self._lock:
+            if self._client is None:
+                self._connect(self._tracking_uri)
+            elif _identity(self._store_path or "") != self._store_id:
+                self._reopen()
             return self._client
+
+    def _connect(self, uri: str | None, resumed_from: str | None = None) -> None:
+        """Open ``uri``; reopen the run by id or create it (with the tag ``resumed_from``, when set)."""
         from mlflow.tracking import MlflowClient
 
         if self._local_store and self._save_dir is not None:
             os.makedirs(self._save_dir, exist_ok=True)
-        client = MlflowClient(tracking_uri=self._tracking_uri)
-        if self._run_id is not None:
+        client = MlflowClient(tracking_uri=uri)
+        if self._run_id is not None and resumed_from is None:
             run = client.get_run(self._run_id)
             self._experiment_id = run.info.experiment_id
             if run.info.status != "RUNNING":
@@ -114,12 +141,50 @@ class MLFlowLogger(Logger):
             else:
                 self._experiment_id = exp.experiment_id
             tags = {k: str(v) for k, v in self.tags.items()}
-            if self._run_name is not None:
-                tags.setdefault("mlflow.runName", self._run_name)
-            run = client.create_run(self._experiment_id, run_name=self._run_name, tags=tags)
+            name = self._run_name or self._run_label
+            if name is not None:
+                tags.setdefault("mlflow.runName", name)
+            if resumed_from is not None:
+                tags[RESUMED_FROM_TAG] = resumed_from
+            run = client.create_run(self._experiment_id, run_name=name, tags=tags)
             self._run_id = run.info.run_id
+        self._run_label = run.info.run_name
         self._client = client
-        return client
+        if self._store_path is not None:
+            self._store_id = _identity(self._store_path)
+
+    def _reopen(self) -> None:
+        """The local store was deleted: create it again and go on in the old run if it is there (a store put
+        back), else in a new run tagged with the old one's id, with the parameters logged again."""
+        from mlflow.entities import Param
+
+        old_client, old_run = self._client, self._run_id
+        self._client = None
+        _dispose(old_client)
+        self._reopens += 1
+        if self._store_path is not None:  # a file: store is its directory; SQLite creates its file itself
+            sqlite = (self._tracking_uri or "").startswith("sqlite:")
+            path = os.path.abspath(self._store_path)
+            os.makedirs(os.path.dirname(path) if sqlite else path, exist_ok=True)
+        uri = _respelled(self._tracking_uri, self._reopens)
+        try:
+            self._connect(uri)  # the old run id, in case the store came back with it
+            what = f"logging goes on in run {old_run}"
+        except Exception:
+            try:
+                self._connect(uri, resumed_from=old_run)
+            except BaseException:
+                # the store cannot be created now (the call fails, is kept and retried): the next call tries again
+                self._client, self._run_id = old_client, old_run
+                raise
+            params = [Param(k, v) for k, v in self._logged_params.items()]
+            for i in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
+                self._client.log_batch(self._run_id, params=params[i : i + 100])
+            what = (
+                f"run {old_run} went with it, so the rest of the run goes to the new run {self._run_id} "
+                f"(tag {RESUMED_FROM_TAG}={old_run}, its parameters logged again); what was logged before is lost"
+            )
+        logger_notice(f"MLFlowLogger: the tracking store {self._store_path} was deleted during the run; {what}")
 
     def setup(self) -> None:
         """Connect, create (or find) the experiment and create (or reopen) the run now."""
@@ -230,7 +295,7 @@ class MLFlowLogger(Logger):
         if self._client is None:
             return
         mlflow_status = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED"}.get(status, status)
-        self._client.set_terminated(self._run_id, mlflow_status)
+        self.experiment.set_terminated(self._run_id, mlflow_status)  # a store deleted at the end is reopened
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self._run_id, "experiment_id": self._experiment_id}
@@ -245,3 +310,50 @@ class MLFlowLogger(Logger):
                 f"run {run_id} (create the logger fresh, or pass run_id=)"
             )
         self._run_id = run_id
+
+
+def _local_store_path(uri: str | None) -> str | None:
+    """The SQLite file of a ``sqlite:///`` URI or the directory of a ``file:`` store; None for a server."""
+    if not uri:
+        return None
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///") :].split("?", 1)[0]
+        return path if path and path != ":memory:" else None
+    if uri.startswith("file:"):
+        return uri[len("file:") :] or None
+    return None
+
+
+def _respelled(uri: str | None, n: int) -> str | None:
+    """``uri`` naming the same local store another way (``dir/./././name.db``, ``store/././.``: ``n`` times
+    ``.``): MLflow keeps one store object (and for SQL one SQLAlchemy engine) per URI string, whose pooled
+    connections still point at the deleted SQLite file (every write then fails with "attempt to write a
+    readonly database") and whose ``file:`` store was set up in the deleted directory; a new spelling gets a new
+    store, which sets itself up in the new file or directory. Other URIs are returned as they are."""
+    if uri and uri.startswith("sqlite:///"):
+        path, _, query = uri[len("sqlite:///") :].partition("?")
+        head, tail = os.path.split(path)
+        return f"sqlite:///{os.path.join(head, *(['.'] * n), tail)}" + (f"?{query}" if query else "")
+    if uri and uri.startswith("file:"):
+        return uri.rstrip("/") + "/." * n
+    return uri
+
+
+def _dispose(client: Any) -> None:
+    """Close the pooled connections of ``client``'s SQL store (best effort: they point at a deleted file)."""
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    engine = getattr(store, "engine", None)
+    try:
+        if engine is not None:
+            engine.dispose()
+    except Exception:
+        pass
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """``path``'s (device, inode), or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

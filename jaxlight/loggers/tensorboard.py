@@ -1,14 +1,59 @@
-"""TensorBoardLogger: TensorBoard event files written with tensorboard's own writer (no torch or TF)."""
+"""TensorBoardLogger: TensorBoard event files written with tensorboard's record format and protos (no torch or TF)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight.integrations import require
+from jaxlight.loggers.delivery import logger_notice
 from jaxlight.loggers.logger import VersionedDirLogger, flatten_hparams, image_batch, png_bytes, safe_key, text_table
+
+_FILE_IDS = itertools.count()  # the last part of an event file's name, as tensorboard's writer numbers them
+
+
+class EventFile:
+    """One TensorBoard event file: records framed by tensorboard's ``RecordWriter`` into a file held open.
+
+    tensorboard's ``EventFileWriter`` appends to its file by path from a thread; with the directory deleted
+    every write fails there and prints a traceback. An open file takes the writes (into the deleted file)
+    and the logger notices the deletion itself. Flushed on :meth:`flush` and when an event comes
+    ``flush_secs`` after the last flush.
+    """
+
+    def __init__(self, logdir: str, flush_secs: float = 120) -> None:
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._logdir = logdir
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
+        self.path = os.path.join(logdir, name)
+        self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 - open as long as the writer
+        self._flush_secs = flush_secs
+        self._flushed_at = time.monotonic()
+        meta = event_pb2.SourceMetadata(writer="jaxlight")
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2", source_metadata=meta))
+        self.flush()
+
+    def get_logdir(self) -> str:
+        return self._logdir
+
+    def add_event(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+        if time.monotonic() - self._flushed_at >= self._flush_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        self._records.flush()
+        self._flushed_at = time.monotonic()
+
+    def close(self) -> None:
+        if not self._records.closed:
+            self._records.close()
 
 
 class TensorBoardLogger(VersionedDirLogger):
@@ -24,6 +69,13 @@ class TensorBoardLogger(VersionedDirLogger):
     ``log_text`` writes to the Text tab (a table as a markdown table),
     ``log_image`` to the Images tab (tag ``key``, or ``key/i`` for several
     images), both with tensorboard's own summary protos.
+
+    A log directory deleted during the run (tensorboard's writer would go on
+    appending into nothing) is noticed at the next event (one ``os.stat`` of
+    the directory per event): the directory is created again with a new event
+    file (and ``hparams.yaml`` and the hyperparameters), which gets the rest of
+    the run, with one ``LoggerDeliveryWarning`` naming the directory and what
+    was lost with it.
     """
 
     LOGGER_JOIN_CHAR = "-"
@@ -46,6 +98,9 @@ class TensorBoardLogger(VersionedDirLogger):
         self._flush_secs = flush_secs
         self._writer: Any = None
         self._hparams: dict[str, Any] = {}
+        self._dir_id: tuple[int, int] | None = None  # (device, inode) of the directory the writer writes into
+        self._events = 0  # events given to the current writer (what a deleted directory takes with it)
+        self._last_step: int | None = None
 
     @property
     def log_dir(self) -> str:
@@ -54,13 +109,42 @@ class TensorBoardLogger(VersionedDirLogger):
 
     @property
     def experiment(self) -> Any:
-        """tensorboard's ``EventFileWriter`` for this run; created on first access."""
+        """This run's event file writer (``add_event``, ``flush``, ``close``, ``get_logdir``, as tensorboard's
+        ``EventFileWriter``); created on first access."""
         if self._writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = EventFileWriter(self.log_dir, flush_secs=self._flush_secs)
+            self._writer = EventFile(self.log_dir, flush_secs=self._flush_secs)
+            self._dir_id, self._events = _identity(self.log_dir), 0
         return self._writer
+
+    def _writer_alive(self) -> Any:
+        """The writer, after making sure its directory is still there (an open file takes writes into a
+        deleted directory without a word, and everything logged later would be lost)."""
+        writer = self.experiment
+        if self._dir_id is not None and _identity(self.log_dir) != self._dir_id:
+            writer = self._reopen()
+        return writer
+
+    def _reopen(self) -> Any:
+        """Open a new event file in the recreated log directory (with the hyperparameters again) and say so."""
+        old, self._writer = self._writer, None
+        try:
+            old.close()
+        except OSError:
+            pass  # its file went with the directory; what it still held is lost either way
+        lost, upto = self._events, self._last_step
+        writer = self.experiment
+        again = ""
+        if self._hparams:
+            self._write_hparams()
+            again = " hparams.yaml and the hyperparameters are written again."
+        at = f" (up to step {upto})" if upto is not None else ""
+        logger_notice(
+            f"TensorBoardLogger: the log directory {self.log_dir} was deleted during the run; writing a new event "
+            f"file there for the rest of the run. The {lost} event(s) written before{at} were in the deleted "
+            f"directory and are lost.{again}"
+        )
+        return writer
 
     def setup(self) -> None:
         """Create the version directory and open the event file."""
@@ -69,7 +153,11 @@ class TensorBoardLogger(VersionedDirLogger):
     def _add(self, summary: Any, step: int | None) -> None:
         from tensorboard.compat.proto import event_pb2
 
-        self.experiment.add_event(event_pb2.Event(wall_time=time.time(), step=int(step or 0), summary=summary))
+        writer = self._writer_alive()
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step or 0), summary=summary))
+        self._events += 1
+        if step is not None:
+            self._last_step = int(step)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         from tensorboard.compat.proto import summary_pb2
@@ -128,9 +216,17 @@ class TensorBoardLogger(VersionedDirLogger):
         return f"{self._prefix}{self.LOGGER_JOIN_CHAR}{key}" if self._prefix else key
 
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> None:
+        self._hparams.update(flatten_hparams(params))
+        self._write_hparams()
+        if metrics is None and self._default_hp_metric:
+            metrics = {"hp_metric": -1}
+        if metrics:
+            self.log_metrics(metrics, 0)
+
+    def _write_hparams(self) -> None:
+        """``hparams.yaml`` and the HParams dashboard's summary, from every hyperparameter logged so far."""
         from tensorboard.plugins.hparams import summary_v2 as hp
 
-        self._hparams.update(flatten_hparams(params))
         os.makedirs(self.log_dir, exist_ok=True)
         import yaml
 
@@ -138,18 +234,14 @@ class TensorBoardLogger(VersionedDirLogger):
             yaml.safe_dump(self._hparams, f, sort_keys=False)
         plain = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in self._hparams.items()}
         self._add(hp.hparams_pb(plain), 0)
-        if metrics is None and self._default_hp_metric:
-            metrics = {"hp_metric": -1}
-        if metrics:
-            self.log_metrics(metrics, 0)
 
     def save(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            self._writer_alive().flush()
 
     def finalize(self, status: str) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            self._writer_alive().flush()
             self._writer.close()
             self._writer = None  # a later stage reopens a new event file in the same directory
 
@@ -159,3 +251,12 @@ class TensorBoardLogger(VersionedDirLogger):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") is not None:
             self._version = state["version"]
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """``path``'s (device, inode), or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
