@@ -15,6 +15,10 @@ NNX module (torch module)                 torch key -> NNX variable       layout
 ========================================  ==============================  ==========================
 ``nnx.Linear`` (``nn.Linear``)            weight -> kernel, bias          (out, in) -> (in, out)
 ``nnx.Conv`` (``nn.Conv1d/2d/3d``)        weight -> kernel, bias          (O, I/g, *k) -> (*k, I/g, O)
+``nnx.ConvTranspose``                     weight -> kernel, bias          (I, O, *k) -> (*k, I, O)
+(``nn.ConvTranspose1d/2d/3d``,                                            flipped in space;
+groups=1)                                                                 ``transpose_kernel=True``:
+                                                                          (*k, O, I), not flipped
 ``nnx.Embed`` (``nn.Embedding``)          weight -> embedding             same
 ``nnx.LayerNorm/RMSNorm/GroupNorm/``      weight -> scale, bias           same
 ``InstanceNorm``
@@ -43,7 +47,6 @@ import json
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -53,6 +56,8 @@ import numpy as np
 from flax import nnx
 
 from jaxlight.integrations import require
+from jaxlight.migrate_settings import conv_transpose_padding as conv_transpose_padding  # public here too
+from jaxlight.migrate_settings import torch_twin_name, warn_setting_differences
 
 Mapping_ = Mapping[str, str | None] | Callable[[str], str | None]
 
@@ -124,6 +129,8 @@ def load_torch_weights(
         renamed = _rename(src.names(), mapping)
         targets, ignored = _plan(roots, set(renamed))
         missing, unexpected, mismatched = _check(targets, ignored, renamed, src)
+        if src.torch_module is not None:  # before the shape report: it explains a grouped one's shapes
+            _refuse_grouped_transposes(targets, renamed, src.torch_module)
         if mismatched or (strict and (missing or unexpected)):
             raise _mismatch_error(model, targets, renamed, missing, unexpected, mismatched, strict)
         unset = [t.path for t in targets if t.key in missing and not _is_concrete(t.var.get_value())]
@@ -134,7 +141,7 @@ def load_torch_weights(
                 missing=[t.key for t in targets if t.key in missing],
             )
         if src.torch_module is not None:
-            _warn_setting_differences(targets, renamed, src.torch_module)
+            warn_setting_differences(targets, renamed, src.torch_module)
         _load(targets, renamed, src)
     finally:
         src.close()
@@ -270,6 +277,16 @@ def _module_targets(mod, mpath, torch_key, nnx_path, available, ignored) -> list
         return t("kernel", "weight", _conv_source_shape, _conv_to_flax, "Conv: OI* -> *IO") + t(
             "bias", "bias", *ident, "Conv"
         )
+    if isinstance(mod, nnx.ConvTranspose):
+        flip = not mod.transpose_kernel
+        rule = (
+            "ConvTranspose: (in, out, *k) -> (*k, in, out), spatially flipped"
+            if flip
+            else "ConvTranspose(transpose_kernel=True): (in, out, *k) -> (*k, out, in)"
+        ) + "; torch groups=1 only (a grouped one stores (in, out/groups, *k))"
+        return t("kernel", "weight", _conv_transpose_source_shape(flip), _conv_transpose_to_flax(flip), rule) + t(
+            "bias", "bias", *ident, "ConvTranspose"
+        )
     if isinstance(mod, nnx.Embed):
         return t("embedding", "weight", *ident, "Embedding")
     if isinstance(mod, nnx.BatchNorm):
@@ -300,6 +317,36 @@ def _conv_source_shape(kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
 def _conv_to_flax(w: np.ndarray) -> np.ndarray:
     n = w.ndim - 2
     return w.transpose((*range(2, n + 2), 1, 0))
+
+
+def _conv_transpose_source_shape(flip: bool) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+    """torch's ``(in, out, *k)`` for an ``nnx.ConvTranspose`` kernel: ``(*k, in, out)``, or ``(*k, out, in)``
+    with ``transpose_kernel=True``."""
+
+    def expect(kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        *k, a, b = kernel_shape
+        return (a, b, *k) if flip else (b, a, *k)
+
+    return expect
+
+
+def _conv_transpose_to_flax(flip: bool) -> Callable[[np.ndarray], np.ndarray]:
+    """torch's ConvTranspose weight ``(in, out, *k)`` as an ``nnx.ConvTranspose`` kernel.
+
+    torch computes ``y[o] = sum_i x[i] w[o + p - i*s]``: a correlation of the stride-dilated input, padded by
+    ``d*(k-1) - p``, with the kernel flipped in space and its channel axes swapped. ``lax.conv_transpose``
+    with ``transpose_kernel=True`` does that flip and swap itself, so the kernel is torch's, axes moved to
+    ``(*k, out, in)``; with flax's default ``transpose_kernel=False`` it correlates with the kernel as
+    stored, so it is stored flipped, ``(*k, in, out)``. Both give torch's outputs with the padding of
+    :func:`conv_transpose_padding`."""
+
+    def convert(w: np.ndarray) -> np.ndarray:
+        n = w.ndim - 2
+        if not flip:
+            return w.transpose((*range(2, n + 2), 1, 0))
+        return w.transpose((*range(2, n + 2), 0, 1))[(slice(None, None, -1),) * n]
+
+    return convert
 
 
 def _mha_targets(mod, mpath, torch_key, nnx_path, available) -> list[_Target]:
@@ -763,122 +810,22 @@ def _open_source(source: Any) -> _Source:
     )
 
 
-# ----------------------------------------------------------------------------------------- settings check
-def _warn_setting_differences(targets: list[_Target], renamed: dict[str, str], torch_module: Any) -> None:
-    """Compare what the weights do not carry (epsilons, momentum, conv geometry, heads) and warn once."""
+# ----------------------------------------------------------------------------------------- torch module checks
+def _refuse_grouped_transposes(targets: list[_Target], renamed: dict[str, str], torch_module: Any) -> None:
+    """``nnx.ConvTranspose`` has no ``feature_group_count``: a grouped torch ConvTranspose cannot be loaded
+    into one (its weight, (in, out/groups, *k), may even fit an NNX layer with out/groups outputs)."""
     named = dict(torch_module.named_modules())
-    seen: set[int] = set()
-    notes: list[str] = []
+    grouped = []
     for t in targets:
-        if id(t.module) in seen or t.key not in renamed:
-            continue
-        src_key = renamed[t.key]
-        tname = src_key.rsplit(".", 1)[0] if "." in src_key else ""
-        if isinstance(t.module, nnx.MultiHeadAttention) and tname.endswith(".out_proj"):
-            continue  # the packed in_proj key names the attention module itself
-        tmod = named.get(tname)
-        if tmod is None:
-            continue
-        seen.add(id(t.module))
-        npath = t.path.rsplit("/", 1)[0]
-        if isinstance(t.module, nnx.MultiHeadAttention):
-            npath = npath.rsplit("/", 1)[0]  # the attention module, not its query projection
-        label = repr(tname) if npath.replace("/", ".") == tname else f"{tname!r} (NNX {npath!r})"
-        notes += [f"{label}: {n}" for n in _differences(t.module, tmod)]
-    if notes:
-        warnings.warn(
-            "the torch model and the NNX model differ in settings that weights do not carry, so their outputs "
-            "will differ:\n  " + "\n  ".join(notes),
-            UserWarning,
-            stacklevel=3,
+        if isinstance(t.module, nnx.ConvTranspose) and t.key in renamed:
+            name = torch_twin_name(renamed[t.key])
+            groups = getattr(named.get(name), "groups", 1)
+            if groups != 1:
+                grouped.append(f"{name!r} (groups={groups}, NNX {t.path.rsplit('/', 1)[0]!r})")
+    if grouped:
+        raise TorchWeightsError(
+            f"cannot load grouped transposed convolutions: {', '.join(sorted(set(grouped)))}. nnx.ConvTranspose "
+            f"has no feature_group_count; split the layer into one nnx.ConvTranspose per group (torch's weight "
+            f"rows in/groups at a time) or keep groups=1; nothing was loaded",
+            mismatched=sorted({t.key for t in targets if isinstance(t.module, nnx.ConvTranspose)}),
         )
-
-
-def _differences(m: nnx.Module, tm: Any) -> list[str]:
-    import torch.nn as tnn
-
-    out = []
-
-    def close(a: float, b: float) -> bool:
-        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-12)
-
-    if isinstance(m, nnx.BatchNorm) and isinstance(tm, tnn.modules.batchnorm._BatchNorm):
-        if not close(m.epsilon, tm.eps):
-            out.append(f"BatchNorm eps: torch {tm.eps}, NNX epsilon {m.epsilon}")
-        if tm.momentum is None:
-            out.append("torch BatchNorm momentum=None (cumulative average) has no NNX equivalent")
-        elif not close(m.momentum, 1 - tm.momentum):
-            out.append(
-                f"BatchNorm momentum: torch {tm.momentum} weighs the new batch, NNX momentum weighs the old "
-                f"average: set momentum={1 - tm.momentum:g} (NNX has {m.momentum})"
-            )
-        if not tm.track_running_stats:
-            out.append("torch BatchNorm has track_running_stats=False (always batch statistics)")
-    elif isinstance(m, (nnx.LayerNorm, nnx.GroupNorm, nnx.InstanceNorm)) and hasattr(tm, "eps"):
-        if not close(m.epsilon, tm.eps):
-            out.append(f"{type(m).__name__} eps: torch {tm.eps}, NNX epsilon {m.epsilon} (flax's default is 1e-6)")
-        if isinstance(m, nnx.GroupNorm) and getattr(tm, "num_groups", None) not in (None, m.num_groups):
-            out.append(f"GroupNorm groups: torch {tm.num_groups}, NNX {m.num_groups}")
-    elif isinstance(m, nnx.RMSNorm) and hasattr(tm, "eps"):
-        if tm.eps is None:
-            out.append(f"torch RMSNorm eps=None uses the dtype's machine epsilon; NNX epsilon {m.epsilon}")
-        elif not close(m.epsilon, tm.eps):
-            out.append(f"RMSNorm eps: torch {tm.eps}, NNX epsilon {m.epsilon}")
-    elif isinstance(m, nnx.Conv) and isinstance(tm, tnn.modules.conv._ConvNd):
-        out += _conv_differences(m, tm)
-    elif isinstance(m, nnx.MultiHeadAttention) and isinstance(tm, tnn.MultiheadAttention):
-        if tm.num_heads != m.num_heads:
-            out.append(f"attention heads: torch {tm.num_heads}, NNX {m.num_heads} (the weights fit either)")
-        if not tm.batch_first:
-            out.append("torch MultiheadAttention has batch_first=False: it takes (length, batch, features)")
-    return out
-
-
-def _conv_differences(m: nnx.Conv, tm: Any) -> list[str]:
-    n = len(m.kernel_size)
-
-    def tup(v: Any) -> tuple[int, ...]:
-        if v is None:
-            return (1,) * n
-        return tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * n
-
-    out = []
-    if tup(m.strides) != tup(tm.stride):
-        out.append(f"conv stride: torch {tup(tm.stride)}, NNX {tup(m.strides)}")
-    if tup(m.kernel_dilation) != tup(tm.dilation):
-        out.append(f"conv dilation: torch {tup(tm.dilation)}, NNX {tup(m.kernel_dilation)}")
-    if tm.padding_mode != "zeros":
-        out.append(f"torch pads with padding_mode={tm.padding_mode!r}; check the NNX padding")
-        return out
-    dil = tup(m.kernel_dilation)
-    kernel = tuple(m.kernel_size)
-
-    def same_pairs() -> tuple[tuple[int, int], ...]:
-        tot = [d * (k - 1) for d, k in zip(dil, kernel)]
-        return tuple((t // 2, t - t // 2) for t in tot)
-
-    tp = tm.padding
-    if tp == "valid":
-        torch_pairs = ((0, 0),) * n
-    elif tp == "same":
-        torch_pairs = same_pairs()
-    else:
-        torch_pairs = tuple((p, p) for p in tup(tp))
-    fp = m.padding
-    if isinstance(fp, str):
-        if fp.upper() == "VALID":
-            nnx_pairs = ((0, 0),) * n
-        elif fp.upper() == "SAME" and tup(m.strides) == (1,) * n:
-            nnx_pairs = same_pairs()
-        else:
-            return out  # stride-dependent or non-zero padding: not compared
-    elif isinstance(fp, int):
-        nnx_pairs = ((fp, fp),) * n
-    else:
-        nnx_pairs = tuple((p, p) if isinstance(p, int) else tuple(p) for p in fp)
-    if nnx_pairs != torch_pairs:
-        out.append(
-            f"conv padding: torch {tm.padding!r} pads {torch_pairs}, NNX {m.padding!r} pads {nnx_pairs} "
-            f"(flax's default is 'SAME', torch's is 0)"
-        )
-    return out

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from optax.contrib import ReduceLROnPlateauState
 
 from jaxlight.callbacks.callback import Callback
@@ -32,6 +32,7 @@ from jaxlight.optim.schedules import (
     injected_states,
     learning_rate_value,
     plateau_stepper,
+    schedule_name,
     set_hyperparam,
     set_state,
     shardings_of,
@@ -48,6 +49,20 @@ class _Target(NamedTuple):
     fn: Any  # jitted (optimizer state, value) -> one new plateau state / learning rate per path
 
 
+def _epoch_rate(config: SchedulerConfig, epoch: int) -> np.ndarray:
+    """``schedule(epoch // frequency)`` evaluated on the host, with a Python int (as torch's ``LambdaLR`` calls
+    its lambda, so ``math`` works), as a float64 host scalar: one argument type for the jitted write whatever
+    the schedule returns (a float, an int, a jax scalar)."""
+    value = config.scheduler(epoch // config.frequency)
+    try:
+        return np.asarray(value, np.float64).reshape(())
+    except (TypeError, ValueError) as e:
+        raise MisconfigurationError(
+            f'lr_scheduler {schedule_name(config.scheduler)} with "interval": "epoch" returned {value!r} for '
+            f"epoch {epoch // config.frequency}; it must return one number, the learning rate"
+        ) from e
+
+
 class LRSchedulerStepper(Callback):
     """Steps plateau schedulers with their monitored metric and sets epoch-interval learning rates.
 
@@ -57,7 +72,8 @@ class LRSchedulerStepper(Callback):
     ``trainer.callback_metrics[monitor]``; with ``interval="step"`` after
     every ``frequency``-th batch, once that batch's validation (if any) has
     run. A schedule with ``interval="epoch"`` sets the injected learning rate
-    to ``schedule(epoch // frequency)`` at each epoch start. A missing
+    to ``schedule(epoch // frequency)`` at each epoch start, evaluated here on
+    the host with the epoch as a Python int (a ``math`` lambda works). A missing
     monitored metric raises, listing the available ones (``strict=False``:
     warns and skips). The trainer puts this callback first, so
     ``LearningRateMonitor`` sees the new rates.
@@ -90,10 +106,11 @@ class LRSchedulerStepper(Callback):
             elif c.interval == "epoch":
                 paths = [injected[id(n)] for n in driven_states(sub).values()]
 
-                def step(sub: Any, epoch: Any, c: SchedulerConfig = c) -> list:
+                # only the write is jitted: the schedule was evaluated on the host (_epoch_rate), and its value
+                # comes in as an argument, cast to each stored rate's dtype (a state value, so no recompile)
+                def step(sub: Any, rate: Any) -> list:
                     return [
-                        learning_rate_value(n.hyperparams["learning_rate"], c.scheduler(epoch // c.frequency))
-                        for n in driven_states(sub).values()
+                        learning_rate_value(n.hyperparams["learning_rate"], rate) for n in driven_states(sub).values()
                     ]
 
                 rates = hyperparams_with_path(shardings, "learning_rate")
@@ -119,7 +136,7 @@ class LRSchedulerStepper(Callback):
     def _set_epoch_rates(self, trainer: Any) -> None:
         for t in self._targets:
             if not t.config.reduce_on_plateau:
-                self._apply(trainer, t, jnp.int32(trainer.current_epoch))
+                self._apply(trainer, t, _epoch_rate(t.config, int(trainer.current_epoch)))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._set_epoch_rates(trainer)

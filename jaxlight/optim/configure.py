@@ -34,6 +34,7 @@ from jaxlight.optim.inspect import TransformInfo, inspect_transform
 from jaxlight.optim.params import KnownGroup, ParamGroups, group_labels, partition, select_params
 from jaxlight.optim.schedules import (
     SchedulerConfig,
+    check_traceable,
     drive_learning_rate,
     hold_plateaus,
     outer_injected_states,
@@ -436,6 +437,7 @@ def _attach_schedulers(
         )
     if schedules:
         c = schedules[0]
+        check_traceable(c)  # a step schedule is traced in the update: refuse an untraceable one now, by name
         if _injected_lr(tx, params):
             tx = drive_learning_rate(tx, c.scheduler, interval=c.interval, frequency=c.frequency)
         elif c.interval != "step" or c.frequency != 1:

@@ -133,9 +133,11 @@ class SchedulerConfig:
     ``scheduler`` is an optax schedule (``count -> lr``) or an
     ``optax.contrib.reduce_on_plateau`` transformation. ``interval``: what a
     schedule counts, ``"step"`` (optimizer steps; the default, since optax
-    schedules count steps) or ``"epoch"`` (the learning rate is
-    ``schedule(epoch // frequency)``, set at each epoch start; the optimizer
-    must inject its learning rate). A plateau scheduler is stepped with
+    schedules count steps; the schedule is traced inside the compiled update)
+    or ``"epoch"`` (the learning rate is ``schedule(epoch // frequency)``,
+    evaluated on the host with a Python int, so ``math`` works as in a torch
+    ``LambdaLR`` lambda, and set at each epoch start; the optimizer must
+    inject its learning rate). A plateau scheduler is stepped with
     ``trainer.callback_metrics[monitor]`` every ``frequency`` epochs (or
     steps), after validation, as Lightning steps ``ReduceLROnPlateau``; its
     default interval is ``"epoch"``. ``strict``: a missing monitored metric
@@ -206,6 +208,45 @@ def scheduler_config(item: Any, index: int, monitor: str | None) -> SchedulerCon
     return SchedulerConfig(**kw, optimizer_index=index)
 
 
+# what jax raises when a traced value is used as a Python number (math.cos, float(), if, np.asarray)
+_UNTRACEABLE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
+)
+
+
+def schedule_name(schedule: Any) -> str:
+    """How an error names a schedule: its function name and where it is defined, when it has them."""
+    name = getattr(schedule, "__name__", None) or type(schedule).__name__
+    code = getattr(schedule, "__code__", None)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def check_traceable(config: SchedulerConfig) -> None:
+    """Trace a step-interval schedule once, abstractly (``jax.eval_shape``), with the step count the compiled
+    update gives it (an int32 array). A schedule that needs a Python number there (``math.cos``, ``float()``,
+    ``if step < n``) raises :class:`MisconfigurationError` naming it, its interval and the two fixes, before
+    anything is compiled, instead of JAX's tracer error from inside the train step."""
+    if config.reduce_on_plateau or config.interval != "step":
+        return
+    schedule, frequency = config.scheduler, config.frequency
+    try:
+        jax.eval_shape(lambda n: schedule(n // frequency), jax.ShapeDtypeStruct((), jnp.int32))
+    except _UNTRACEABLE as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        label = f" {config.name!r}" if config.name else ""
+        raise MisconfigurationError(
+            f'lr_scheduler{label} {schedule_name(schedule)} of optimizer {config.optimizer_index} with "interval": '
+            f'"step" cannot be traced ({type(e).__name__}: {first}). A step-interval schedule runs inside the '
+            f"compiled update, where the step count is a traced array, not a Python number: write it with "
+            f"jax.numpy (jnp.cos instead of math.cos, jnp.where instead of if), or, for a schedule of the epoch "
+            f'(a torch LambdaLR stepped per epoch), return {{"scheduler": ..., "interval": "epoch"}}: epoch '
+            f"schedules are evaluated on the host with the epoch as a Python int"
+        ) from e
+
+
 def learning_rate_value(stored: Any, value: Any) -> Any:
     """``value`` as the injected learning rate ``stored`` holds it (its dtype: the update uses it as it is)."""
     return jnp.asarray(value, jnp.asarray(stored).dtype)
@@ -219,8 +260,9 @@ def drive_learning_rate(
     ``count`` is the injected state's own update count, i.e. the optimizer
     steps taken (accumulation windows count once); :func:`driven_learning_rate`
     is that value, the one the next update uses. With ``interval="epoch"``
-    the update leaves the injected value alone: the host sets it to
-    ``schedule(epoch // frequency)`` at each epoch start
+    the update leaves the injected value alone: the host evaluates
+    ``schedule(epoch // frequency)`` with the epoch as a Python int and writes
+    the value into the state at each epoch start
     (:class:`~jaxlight.callbacks.lr_scheduler.LRSchedulerStepper`).
     """
     inner = optax.with_extra_args_support(tx)
@@ -317,6 +359,7 @@ def plateau_stepper(
 __all__ = [
     "KeyPath",
     "SchedulerConfig",
+    "check_traceable",
     "drive_learning_rate",
     "driven_learning_rate",
     "driven_states",
@@ -332,6 +375,7 @@ __all__ = [
     "outer_injected_states",
     "plateau_states",
     "plateau_stepper",
+    "schedule_name",
     "scheduler_config",
     "set_hyperparam",
     "set_state",
