@@ -166,7 +166,9 @@ def test_wandb_offline_run_dir_deleted_mid_run_continues_in_a_new_session(tmp_pa
     finally:
         if wb._experiment is not None:
             wb.experiment.finish()
-    assert os.path.isfile(new_file) and not os.path.exists(first["file"])
+    # wandb names an offline run's directory by the second it opened and the run id: a session reopened within
+    # the same second as the deleted one is made at the same path again (a flake before this was allowed)
+    assert os.path.isfile(new_file) and (new_file == first["file"] or not os.path.exists(first["file"]))
     rows, config, rid = read_run(new_file)
     assert rid == run_id and config["lr"] == 0.05  # the same run, the config logged again
     want = rec_logger.rows[lost:]
