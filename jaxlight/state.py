@@ -93,13 +93,45 @@ def _variables_with_path(state: nnx.State, rooted: bool = False):
             yield path_str(path[1:] if rooted else path), var
 
 
+ANNOTATION_KEYS: tuple[str, ...] = ("out_sharding", "sharding_names", "sharding")
+"""Variable metadata keys that hold a sharding annotation. flax 0.12 writes ``out_sharding``
+(``nnx.with_partitioning``, ``kernel_metadata=``, the Linen bridge's ``LogicallyPartitioned`` /
+``Partitioned`` boxes) and renames the deprecated ``sharding_names`` / ``sharding`` to it; the old
+keys are still read for variables built by other means."""
+
+
+def annotation_names(annotation: Any) -> tuple | None:
+    """One entry per named dimension of a sharding annotation, in every form flax code writes, or None.
+
+    A tuple, a list, a ``jax.sharding.PartitionSpec`` or a ``NamedSharding`` (its spec) all read the
+    same: each entry is ``None`` (whole), a name (logical or a mesh axis), or a tuple of mesh axes that
+    split the dimension together (``P(("fsdp", "tensor"))``; a one-name tuple or list is that name).
+    ``P.UNCONSTRAINED`` reads as whole: the trainer places parameters, it does not leave them to XLA.
+    Anything else (a bare string, a ``SingleDeviceSharding``) is not an annotation.
+    """
+    spec = getattr(annotation, "spec", None)
+    if isinstance(annotation, jax.sharding.NamedSharding) and spec is not None:
+        annotation = spec
+    if not isinstance(annotation, (tuple, list, jax.sharding.PartitionSpec)):
+        return None
+    out: list = []
+    for entry in annotation:
+        if isinstance(entry, (tuple, list)):
+            members = tuple(entry)
+            entry = None if not members else members[0] if len(members) == 1 else members
+        elif entry is not None and not isinstance(entry, str):
+            entry = None  # P.UNCONSTRAINED
+        out.append(entry)
+    return tuple(out)
+
+
 def logical_axes(var: nnx.Variable) -> tuple | None:
-    """The logical axis names a variable was annotated with, or None."""
+    """The axis names a variable was annotated with (:func:`annotation_names` of its metadata), or None."""
     meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
-    for key in ("out_sharding", "sharding_names", "sharding"):
-        names = meta.get(key)
-        if names is not None and isinstance(names, (tuple, list)):
-            return tuple(names)
+    for key in ANNOTATION_KEYS:
+        names = annotation_names(meta.get(key))
+        if names is not None:
+            return names
     return None
 
 

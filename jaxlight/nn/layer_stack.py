@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxlight.state import logical_axes
 from jaxlight.strategies.pipeline import (
     STACK_AXIS,
     RematPolicy,
@@ -127,7 +128,6 @@ def _prepend_layers_axis(layers: nnx.Module, num_layers: int) -> None:
         shape = tuple(getattr(var.get_value(), "shape", ()))
         if not shape or shape[0] != num_layers:  # pragma: no cover - vmap stacks every leaf
             raise ValueError(f"stacked variable has shape {shape}, expected a leading dimension of {num_layers}")
-        meta = var.get_metadata()
-        names = meta.get("out_sharding")
-        names = tuple(names) if names else (None,) * (len(shape) - 1)
+        names = logical_axes(var)  # any annotation form (tuple, list, PartitionSpec, ...)
+        names = names if names else (None,) * (len(shape) - 1)
         var.set_metadata(out_sharding=(STACK_AXIS, *names))

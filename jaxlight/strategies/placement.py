@@ -145,17 +145,35 @@ def checked_annotations(
         for dim, (name, size) in enumerate(zip(padded, shape)):
             if name is None or name in known:
                 continue
-            if name not in MESH_AXES:
+            if isinstance(name, tuple):
+                # one dim split over several mesh axes together (P(("fsdp", "tensor"))): mesh axes only,
+                # as in JAX; a logical name stands for a list of fallbacks, which cannot be combined
+                not_axes = [a for a in name if a not in MESH_AXES]
+                if not_axes:
+                    problems.append(
+                        f"  {kind} {path} {shape} splits dim {dim} over {name} (annotation {tuple(names)}); a dim "
+                        f"split over several axes names mesh axes {MESH_AXES} only, and {not_axes[0]!r} is not one: "
+                        f"name one logical name for the dim instead (its rules may list several axes)"
+                    )
+                    continue
+                direct = name
+            elif name not in MESH_AXES:
                 unknown.setdefault(name, []).append(f"{path} {shape} annotated {tuple(names)}")
-            elif name in forbidden:
+                continue
+            else:
+                direct = (name,)
+            label = f"mesh axis {name!r}" if isinstance(name, str) else f"mesh axes {name}"
+            bad = [a for a in direct if a in forbidden]
+            n = math.prod(mesh_shape.get(a, 1) for a in direct)
+            if bad:
                 problems.append(
-                    f"  {kind} {path} {shape} names mesh axis {name!r} directly (annotation {tuple(names)}); "
+                    f"  {kind} {path} {shape} names {label} directly (annotation {tuple(names)}); "
                     f"parameters may not use {forbidden}: those axes split the batch or hold pipeline stages"
                 )
-            elif size % mesh_shape.get(name, 1):
+            elif size % n:
                 problems.append(
-                    f"  {kind} {path} {shape} names mesh axis {name!r} directly for dim {dim} ({size}), which "
-                    f"{name!r} (size {mesh_shape[name]}) does not divide; use a logical name with fallbacks "
+                    f"  {kind} {path} {shape} names {label} directly for dim {dim} ({size}), which "
+                    f"{name!r} (size {n}) does not divide; use a logical name with fallbacks "
                     f"(e.g. 'mlp') or a size that divides it"
                 )
         out[path] = padded

@@ -136,7 +136,8 @@ def resolve_spec(
 
     As in flax, fewer ``names`` than dimensions leave the trailing dimensions
     whole (:func:`pad_names`), and a name no rule mentions that is one of
-    the six mesh axes (``"fsdp"``, ``"tensor"``...) stands for that axis.
+    the six mesh axes (``"fsdp"``, ``"tensor"``...) stands for that axis; a tuple of mesh axes
+    (``("fsdp", "tensor")``, as in ``P(("fsdp", "tensor"))``) splits the dimension over all of them.
     A name that is neither resolves to whole here; the trainer refuses such
     parameter annotations at setup (``placement.check_annotation``).
     """
@@ -149,6 +150,8 @@ def resolve_spec(
             candidates = [axes for rule_name, axes in rules if rule_name == name]
             if not candidates and name in MESH_AXES:
                 candidates = [name]  # a mesh axis named directly (flax's nnx.with_partitioning convention)
+            elif isinstance(name, tuple) and all(a in MESH_AXES for a in name):
+                candidates = [name]  # one dim split over several mesh axes together, as JAX's P(("fsdp", "tensor"))
             for axes in candidates:
                 named_axes = _as_tuple(axes)
                 cand = tuple(a for a in named_axes if mesh_shape.get(a, 1) > 1)
