@@ -14,6 +14,7 @@ Optimizer and callback state follow the parameters they mirror
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -217,6 +218,104 @@ def _check_forbidden(path: str, shape: tuple, names: tuple, rules: Rules, forbid
                 )
 
 
+def _sends_to(name: Any, axis: str, rules: Rules) -> bool:
+    """Whether an annotation entry can place its dim on mesh ``axis``: a rule candidate of the logical
+    name uses it, or the entry names it directly (a mesh axis no rule mentions, or a tuple of mesh axes)."""
+    if name is None:
+        return False
+    if isinstance(name, tuple):
+        return axis in name
+    candidates = [a for n, a in rules if n == name]
+    if not candidates:
+        return name == axis
+    return any(axis in ((a,) if isinstance(a, str) else tuple(a)) for a in candidates if a is not None)
+
+
+_PIECE_OF_AXIS: dict[str, str] = {"fsdp": "FSDP", "tensor": "TensorParallel"}
+
+
+def min_shard_fix(strategy: Strategy, axis: str, size: int, mesh_shape: Mapping[str, int]) -> str:
+    """The piece call that lowers ``min_shard`` to ``size``. The threshold is one for the whole strategy
+    and pieces that set it must agree, so a piece that already sets it is the one to change."""
+    setters = [p for p in strategy.pieces if "min_shard" in p.guardrail()]
+    if setters:
+        return " + ".join(re.sub(r"min_shard=\d+", f"min_shard={size}", p.describe()) for p in setters)
+    piece = _PIECE_OF_AXIS.get(axis)
+    if piece == "TensorParallel":
+        return f"TensorParallel({mesh_shape.get(axis, 1)}, min_shard={size})"
+    if piece == "FSDP":
+        return f"FSDP(min_shard={size})"
+    return f"Strategy(min_shard={size})"
+
+
+def off_axis_reason(
+    path: str,
+    shape: tuple[int, ...],
+    names: tuple | None,
+    axis: str,
+    strategy: Strategy,
+    mesh_shape: Mapping[str, int],
+) -> tuple[str, str]:
+    """``(kind, text)``: why the parameter ``path`` of ``shape`` (annotated ``names``, or None) holds no
+    part of mesh ``axis``, and what would place it there.
+
+    ``kind`` is one of ``"min_shard"`` (the rules send it there but it is below ``min_shard``: the text
+    gives its size, the threshold and the piece call that lowers it), ``"no_rule"`` (annotated, but no
+    name goes to ``axis``: the rule to add), ``"unannotated"`` (the annotation to write; for ``fsdp``
+    also why the shape heuristic placed nothing) or ``"fit"`` (a name goes there, but ``axis`` does
+    not divide the dim, or the dim took an earlier candidate).
+    """
+    rules = strategy.logical_rules
+    n = mesh_shape.get(axis, 1)
+    size = math.prod(shape)
+    below = size < strategy.min_shard
+    small = (
+        f"below min_shard ({size} elements < min_shard={strategy.min_shard}; small parameters stay whole on purpose)"
+    )
+    lower = f"{min_shard_fix(strategy, axis, size, mesh_shape)} would place it"
+    if names is None:
+        if axis == "fsdp":
+            if below:
+                return "min_shard", f"not annotated and {small}: {lower} (the shape heuristic)"
+            return "unannotated", (
+                f"not annotated, and fsdp (size {n}) divides none of its dims (the shape heuristic's pick): "
+                f"annotate it with a name the rules send to a dim that fits, or pick an fsdp size that divides one"
+            )
+        return "unannotated", (
+            f"not annotated ({axis} never guesses a split): annotate it, e.g. nnx.with_partitioning(init, "
+            f"('embed', 'mlp'))"
+        )
+    names = pad_names(names, shape)
+    sending = [(d, nm) for d, nm in enumerate(names) if _sends_to(nm, axis, rules)]
+    if not sending:
+        named = [nm for nm in names if isinstance(nm, str)]
+        goes = sorted({nm for nm, a in rules if a is not None and _sends_to(nm, axis, rules)})
+        if named:
+            return "no_rule", (
+                f"annotated {names}, and no rule sends {', '.join(repr(nm) for nm in dict.fromkeys(named))} to "
+                f"{axis!r}: add one, e.g. Strategy(rules=[({named[-1]!r}, {axis!r})]), or name the dim "
+                f"{', '.join(repr(g) for g in goes) or repr(axis)}"
+            )
+        return (
+            "no_rule",
+            f"annotated {names} (every dim whole): name a dim {axis!r} or a logical name the rules send there",
+        )
+    full = resolve_spec(names, shape, rules, mesh_shape)
+    if axis in _spec_axes(full):  # placed there at full size: only the min_shard floor kept it whole
+        return "min_shard", f"annotated {names}, {small}: {lower}"
+    d, nm = sending[0]
+    took = full[d] if d < len(full) else None
+    if took is not None:
+        return (
+            "fit",
+            f"annotated {names}: dim {d} ({nm!r}, {shape[d]}) took {took!r}, an earlier candidate of its rules",
+        )
+    return "fit", (
+        f"annotated {names}: {nm!r} goes to {axis!r}, but no candidate with {axis!r} (size {n}) divides dim "
+        f"{d} ({shape[d]}) on this mesh: pick an axis size that divides it, or add a fallback rule"
+    )
+
+
 def _shards_params(mesh_shape: Mapping[str, int]) -> bool:
     # not expert: it splits experts only, and replicates every other parameter by design (as data does)
     return any(mesh_shape.get(a, 1) > 1 for a in ("fsdp", "tensor"))
@@ -253,10 +352,15 @@ def check_tolerance(
     frac = sum(s for _, _, s in replicated) / total
     if frac > strategy.tolerance:
         ordered = sorted(replicated, key=lambda r: -r[2])
-        listing = "\n".join(
-            f"  {p} {shape}" + (f" annotated {annotations[p]}" if p in annotations else "")
-            for p, shape, _ in ordered[:20]
-        )
+        # per parameter, why each parameter axis left it whole (a rule missing, a size that does not divide)
+        axes = [a for a in ("fsdp", "tensor") if mesh_shape.get(a, 1) > 1 and a not in strategy.param_forbidden_axes]
+
+        def why(p: str, shape: tuple) -> str:
+            names = annotations.get(p)
+            reasons = [f"{a}: {off_axis_reason(p, shape, names, a, strategy, mesh_shape)[1]}" for a in axes]
+            return f"  {p} {shape}" + (f" annotated {names}" if names is not None else "") + " -- " + "; ".join(reasons)
+
+        listing = "\n".join(why(p, shape) for p, shape, _ in ordered[:20])
         more = f"\n  ... and {len(replicated) - 20} more" if len(replicated) > 20 else ""
         advice = []
         if any(p not in annotations for p, _, _ in replicated):
@@ -304,8 +408,10 @@ def idle_axis_messages(
     """One message per mesh axis meant for parameters (:data:`PARAM_AXES`) of size > 1 that holds none.
 
     Each names the axis, the largest parameters left off it and the fix (annotations for
-    ``tensor``/``expert``/``stage``, ``min_shard=`` for ``fsdp`` below the threshold). The trainer
-    warns with them (:class:`PlacementWarning`) when it places a model.
+    ``tensor``/``expert``/``stage``, ``min_shard=`` for ``fsdp`` below the threshold). For ``fsdp`` and
+    ``tensor`` it gives the true reason per parameter (:func:`off_axis_reason`: below ``min_shard``,
+    no rule sends its names there, not annotated, or a size that does not divide) with the change that
+    would place it. The trainer warns with them (:class:`PlacementWarning`) when it places a model.
     """
     annotations = annotations or {}
     mesh_shape = dict(mesh.shape)
@@ -324,28 +430,15 @@ def idle_axis_messages(
             continue
         head = f"mesh axis {axis!r} (size {size}) holds no parameter bytes"
         names = sorted({n for n, a in rules if a is not None and axis in ((a,) if isinstance(a, str) else a)})
-        if axis == "fsdp":
+        if axis == "fsdp" and max(math.prod(a.shape) for a in abstract.values()) < strategy.min_shard:
             largest = max(math.prod(a.shape) for a in abstract.values())
-            if largest < strategy.min_shard:
-                fix = (
-                    f"every parameter is below min_shard={strategy.min_shard} elements (the largest: {listing()}), "
-                    f"so all stay replicated and the fsdp axis only splits the batch (data parallelism). To shard "
-                    f"them pass a lower threshold, e.g. FSDP(min_shard={max(1, largest // size)})"
-                )
-            else:
-                fix = (
-                    f"no dimension of the largest parameters ({listing()}) is divisible by {size}, and no "
-                    f"annotation sends one to fsdp; pick an fsdp size that divides them or annotate them"
-                )
-        elif axis == "tensor":
-            unannotated = [p for p, _ in biggest if p not in annotations]
-            what = "unannotated" if unannotated else "annotated with names the rules do not send to tensor"
             fix = (
-                f"tensor parallelism splits only the dims annotations name with a logical name the rules send to "
-                f"tensor ({', '.join(names) or 'none'}); the largest parameters are {what}: {listing()}. Annotate "
-                f"them, e.g. nnx.with_partitioning(init, ('embed', 'mlp')) or nn.with_logical_partitioning(init, "
-                f"('embed', 'mlp')), or leave the tensor piece out"
+                f"every parameter is below min_shard={strategy.min_shard} elements (the largest: {listing()}), "
+                f"so all stay replicated and the fsdp axis only splits the batch (data parallelism). To shard "
+                f"them pass a lower threshold, e.g. FSDP(min_shard={max(1, largest // size)})"
             )
+        elif axis in ("fsdp", "tensor"):
+            fix = _off_axis_fix(axis, names, biggest, annotations, strategy, mesh_shape, listing())
         elif axis == "expert":
             fix = (
                 f"expert parallelism splits only dims annotated with {', '.join(repr(n) for n in names) or 'exp'}; "
@@ -359,6 +452,54 @@ def idle_axis_messages(
             )
         out.append(f"strategy {strategy.name!r}: {head}: {fix}.")
     return out
+
+
+def _off_axis_fix(
+    axis: str,
+    names: list[str],
+    biggest: list[tuple[str, Any]],
+    annotations: Mapping[str, tuple],
+    strategy: Strategy,
+    mesh_shape: Mapping[str, int],
+    largest: str,
+) -> str:
+    """The body of the idle-axis message for ``fsdp`` / ``tensor``: the true reason per parameter (the
+    largest three, and up to five whose annotation sends a dim to ``axis``) and the change that places it."""
+    rules = strategy.logical_rules
+    sent = [(p, a) for p, a in biggest if any(_sends_to(n, axis, rules) for n in annotations.get(p) or ())][:5]
+    shown = dict(sent + biggest[:3])  # by bytes, largest first
+    shown = dict(sorted(shown.items(), key=lambda kv: -_nbytes(kv[1])))
+    reasons = {
+        p: off_axis_reason(p, tuple(a.shape), annotations.get(p), axis, strategy, mesh_shape) for p, a in shown.items()
+    }
+    kinds = {kind for kind, _ in reasons.values()}
+    per = "; ".join(f"{p} {tuple(shown[p].shape)}: {text}" for p, (_, text) in reasons.items())
+    if axis == "tensor":
+        intro = (
+            f"tensor parallelism splits only the dims annotations name 'tensor' or with a logical name the rules "
+            f"send to tensor ({', '.join(names) or 'none'}); the largest parameters are {largest}. Why each "
+            f"parameter stays off tensor: {per}"
+        )
+    else:
+        intro = f"the largest parameters are {largest}. Why each stays off fsdp: {per}"
+    todo = []
+    if "min_shard" in kinds:
+        small = min(math.prod(shown[p].shape) for p, (k, _) in reasons.items() if k == "min_shard")
+        todo.append(
+            f"lower min_shard (one threshold for the whole strategy) to place the small ones, e.g. "
+            f"{min_shard_fix(strategy, axis, small, mesh_shape)}"
+        )
+    if "no_rule" in kinds:
+        todo.append(f"add a rule sending their names to {axis!r} or annotate the dims with one the rules send there")
+    if "unannotated" in kinds:
+        todo.append(
+            "annotate the unannotated ones, e.g. nnx.with_partitioning(init, ('embed', 'mlp')) or "
+            "nn.with_logical_partitioning(init, ('embed', 'mlp'))"
+        )
+    if "fit" in kinds:
+        todo.append(f"pick a {axis} size that divides the dims named for it")
+    tail = ", or leave the tensor piece out" if axis == "tensor" else ""
+    return f"{intro}. To fix: " + "; ".join(todo) + tail
 
 
 def axis_split_bytes(params: Mapping[str, Any]) -> dict[str, int]:
