@@ -255,10 +255,24 @@ class ModuleBinding:
         edits = self.module_edits(params, rest)
         if not edits:
             return
+        # The train step donates every leaf, so no two leaves may share an array: a hook that copies weights
+        # between modules (``nnx.update(self.target, nnx.state(self.net))``) hands one array to both. Such a
+        # value gets its own copy (a device copy, only for those edits).
+        taken = {
+            id(v)
+            for is_param, group in ((True, params), (False, rest))
+            if group is not None
+            for k, v in group.items()
+            if (is_param, k) not in edits
+        }
         for (is_param, key), value in edits.items():
             group = params if is_param else rest
             assert group is not None
-            group[key] = self._placed(is_param, key, value, group[key])
+            placed = self._placed(is_param, key, value, group[key])
+            if id(placed) in taken:
+                placed = jax.device_put(placed, placed.sharding, may_alias=False)
+            taken.add(id(placed))
+            group[key] = placed
         self._point(set(edits))
 
     def _point(self, keys: set[tuple[bool, str]]) -> None:
