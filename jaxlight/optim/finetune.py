@@ -102,11 +102,12 @@ SCALED_ALIASES: dict[tuple[str, ...], str] = {
 }
 # aliases whose rate does more than scale the update, so no multiple of it is the alias at another rate
 NOT_SCALED_ALIASES: dict[tuple[str, ...], str] = {
-    ("ScaleByRpropState", _E): "optax.rprop (its learning rate is the initial step size)",
+    ("ScaleByRpropState", _E): "optax.rprop (its step sizes start at the rate but are clipped to fixed bounds)",
     (_E, _E, _E): "optax.fromage (its rate also sets the weights' shrink factor)",
     ("ScaleByLBFGSState", _E, "ScaleByZoomLinesearchState"): "optax.lbfgs (a line search follows the rate)",
     ("ScaleByAdamState", "ScaleByOptimisticGradientState", _E): (
-        "optax.optimistic_adam (its rate is the optimism coefficient) or optimistic_adam_v2"
+        "optax.optimistic_adam (its rate is the step of the optimistic update, next to a fixed optimism) or "
+        "optimistic_adam_v2 (the same state types)"
     ),
     ("FactoredState", _E, _E, _E, _E, _E): "optax.adafactor(weight_decay_rate=...) (weight decay added after the rate)",
 }
