@@ -31,6 +31,7 @@ from jaxlight.hooks import overrides, stop_poll, takes_argument
 from jaxlight.loaders import is_loader_collection, num_batches, split_loaders, tail_rows
 from jaxlight.prefetch import Prefetcher, compiled_signature
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
+from jaxlight.seed import isolate_rng
 from jaxlight.stages import STAGES, TRAIN, VALIDATE, Stage
 from jaxlight.workers import safe_workers
 
@@ -540,7 +541,8 @@ class FitLoop:
             and self.config.num_sanity_val_steps != 0
             and not self.position.resume_offset
         ):
-            self.sanity_check(val_loaders)
+            with isolate_rng():  # Lightning's: the check's loader iterators draw nothing the training would
+                self.sanity_check(val_loaders)
         self.run(train_loader, val_loaders)
 
     def run(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:

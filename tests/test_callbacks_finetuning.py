@@ -404,3 +404,178 @@ def test_a_tampered_finetuning_state_is_refused_before_anything_is_read(tmp_path
         with pytest.raises((TypeError, ValueError), match=key):
             cb.check_state_dict(bad)
     cb.check_state_dict(cb.state_dict())
+
+
+# ------------------------------------------------------------------------ a plain optax alias vs Lightning
+PLAIN = {  # configure_optimizers in both frameworks: (torch factory, optax alias)
+    "adam": (lambda torch, params: torch.optim.Adam(params, lr=1e-2), lambda: optax.adam(1e-2)),
+    "sgd_momentum": (
+        lambda torch, params: torch.optim.SGD(params, lr=2e-2, momentum=0.9),
+        lambda: optax.sgd(2e-2, momentum=0.9),
+    ),
+}
+PLAIN_EPOCHS, PLAIN_TOL = 4, 1e-5
+
+
+def _lightning_plain_run(kind: str, init: str) -> tuple[list[float], list[dict[str, np.ndarray]]]:
+    pl = pytest.importorskip("pytorch_lightning")
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from tests.gallery_lightning_programs import _quiet_lightning
+
+    _quiet_lightning()
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+            self.head = nn.Linear(8, 1)
+            torch.save(self.state_dict(), init)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.head(self.backbone(x)) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return PLAIN[kind][0](torch, filter(lambda p: p.requires_grad, self.parameters()))
+
+    class Unfreeze(pl.callbacks.BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer)  # lr: group 0's / 10
+
+    losses, params = [], []
+
+    class Rec(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            sd = pl_module.state_dict()
+            params.append(
+                {
+                    "backbone/layers/0/kernel": sd["backbone.0.weight"].numpy().T.copy(),
+                    "backbone/layers/0/bias": sd["backbone.0.bias"].numpy().copy(),
+                    "head/kernel": sd["head.weight"].numpy().T.copy(),
+                    "head/bias": sd["head.bias"].numpy().copy(),
+                }
+            )
+
+    x = torch.from_numpy(np.concatenate([b[0] for b in data()]))
+    y = torch.from_numpy(np.concatenate([b[1] for b in data()]))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    t = pl.Trainer(
+        max_epochs=PLAIN_EPOCHS, callbacks=[Unfreeze(), Rec()], accelerator="cpu", enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, logger=False,
+    )  # fmt: skip
+    t.fit(Lit(), loader)
+    return losses, params
+
+
+@pytest.mark.parametrize("kind", sorted(PLAIN))
+def test_unfreeze_with_a_plain_optax_alias_matches_lightning(tmp_path, kind):
+    # configure_optimizers returns optax.adam(1e-2) / optax.sgd(2e-2, momentum=0.9), as torch's Adam / SGD is
+    # written: the added group runs at group 0's rate / initial_denom_lr, as the alias's update times 1/10
+    from jaxlight.migrate import load_torch_weights
+
+    init = str(tmp_path / "init.pt")
+    pl_losses, pl_params = _lightning_plain_run(kind, init)
+
+    class Port(jl.LightningModule):
+        def configure_model(self):
+            rngs = nnx.Rngs(0)
+            self.backbone = nnx.Sequential(nnx.Linear(4, 8, rngs=rngs), nnx.relu)
+            self.head = nnx.Linear(8, 1, rngs=rngs)
+
+        def on_fit_start(self):
+            load_torch_weights(self, init)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.head(self.backbone(x)) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return PLAIN[kind][1]()
+
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer)
+
+    losses, params = [], []
+
+    class Rec(jl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            params.append({k: np.array(v) for k, v in trainer.train_state.params.items()})
+
+    cb = Unfreeze()
+    trainer = jl.Trainer(max_epochs=PLAIN_EPOCHS, callbacks=[cb, Rec()], **quiet())
+    trainer.fit(Port(), data())
+    (group,) = trainer.engine.optimizer.groups
+    assert group.lr is None and group.lr_scale == pytest.approx(0.1)
+    assert cb.state_dict()["internal_optimizer_metadata"][0][1]["lr_scale"] == pytest.approx(0.1)
+    np.testing.assert_allclose(losses, pl_losses, rtol=PLAIN_TOL, atol=PLAIN_TOL)
+    assert len(params) == len(pl_params) == PLAIN_EPOCHS
+    for epoch, (got, want) in enumerate(zip(params, pl_params)):
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=PLAIN_TOL, atol=PLAIN_TOL, err_msg=f"epoch {epoch} {k}")
+    # the backbone moved after the unfreeze (not before)
+    assert np.array_equal(params[0]["backbone/layers/0/kernel"], pl_params[0]["backbone/layers/0/kernel"])
+    assert not np.allclose(params[1]["backbone/layers/0/kernel"], params[0]["backbone/layers/0/kernel"])
+    assert trainer.compile_counts["train"] == 2
+
+
+@pytest.mark.parametrize(
+    "tx, named",
+    [
+        (lambda: optax.rprop(1e-2), "optax.rprop"),
+        (lambda: optax.fromage(1e-2), "optax.fromage"),
+        (lambda: optax.adam(optax.linear_schedule(1e-2, 0.0, 8)), "schedule"),
+        (lambda: optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0)), "not a known optax alias"),
+    ],
+    ids=["rprop", "fromage", "scheduled_adam", "clip_after_adam"],
+)
+def test_a_plain_optimizer_whose_rate_does_not_only_scale_is_refused_by_name(tx, named):
+    class Plain(Model):
+        def configure_optimizers(self):
+            return tx()
+
+    trainer = jl.Trainer(max_epochs=2, callbacks=[FreezeBackbone(at=1)], **quiet())
+    with pytest.raises(jl.MisconfigurationError, match=named) as err:
+        trainer.fit(Plain(), data())
+    assert "inject_hyperparams" in str(err.value)
+
+
+def test_a_plain_alias_group_rate_cannot_be_set_and_resumes_bit_identically(tmp_path):
+    class Plain(Model):
+        def configure_optimizers(self):
+            return optax.adamw(1e-2, weight_decay=0.1)
+
+    class SetRate(FreezeBackbone):
+        def finetune_function(self, pl_module, epoch, optimizer):
+            super().finetune_function(pl_module, epoch, optimizer)
+            if epoch == 2:
+                assert optimizer.param_groups[-1]["lr"] is None  # a multiple of a rate in optax's closure
+                optimizer.param_groups[-1]["lr"] = 1e-3
+
+    with pytest.raises(jl.MisconfigurationError, match="0.1 times optimizer 0's"):
+        jl.Trainer(max_epochs=3, callbacks=[SetRate(at=1)], **quiet()).fit(Plain(), data())
+    # a resume after the unfreeze re-adds the group at its multiple (saved with the callback's state)
+    ckpt = jl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_top_k=-1)
+    full = jl.Trainer(max_epochs=3, callbacks=[FreezeBackbone(at=1), ckpt], **{**quiet(), "enable_checkpointing": True})
+    full.fit(Plain(), data())
+    resumed = jl.Trainer(max_epochs=3, callbacks=[FreezeBackbone(at=1)], **quiet())
+    resumed.fit(Plain(), data(), ckpt_path=str(tmp_path / "ckpts" / "epoch=1-step=8.ckpt"))
+    assert resumed.engine.optimizer.groups[0].lr_scale == pytest.approx(0.1)
+    _assert_bit_identical(resumed, full)

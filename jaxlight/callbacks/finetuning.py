@@ -23,12 +23,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import optax
 from flax import nnx
 
 from jaxlight.callbacks.callback import Callback
 from jaxlight.callbacks.lr_scheduler import LRSchedulerStepper
 from jaxlight.errors import CheckpointError, MisconfigurationError
-from jaxlight.optim.finetune import AddedGroup, carry_state, check_settable, set_learning_rates
+from jaxlight.optim.finetune import AddedGroup, carry_state, check_settable, scaled_alias, set_learning_rates
+from jaxlight.optim.params import ParamGroups
+from jaxlight.optim.schedules import driven_states
 from jaxlight.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlight.state import nnx_attributes, path_str
 
@@ -119,20 +122,58 @@ class FinetuneOptimizer:
         if index == 0:
             self._lr0, self._lr0_set = lr, True
         else:
-            self._groups()[index - 1].lr = lr
+            group = self._groups()[index - 1]
+            if group.lr_scale is not None:
+                raise MisconfigurationError(
+                    f"parameter group {group.label!r} runs at {group.lr_scale:g} times optimizer {self.index}'s "
+                    f"learning rate, which lives in optax's closure (a plain optax alias): its rate cannot be set "
+                    f"to {lr:g}. Build the optimizer with an injected rate, "
+                    f"optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), to change a group's rate"
+                )
+            group.lr = lr
         self.changed = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group({"params": [...], "lr": ...})``: ``params`` are parameter paths (as
-        ``trainer.train_state.params`` names them); ``lr`` defaults to group 0's."""
+        ``trainer.train_state.params`` names them); ``lr`` defaults to group 0's.
+
+        An optimizer without an injected rate (a plain optax alias, ``optax.adam(1e-3)``) takes the group at
+        ``"lr_scale"`` times its own rate (default 1), its update the alias's scaled by that (exact for the
+        aliases :func:`~jaxlight.optim.finetune.scaled_alias` accepts); an absolute ``"lr"`` needs the
+        optimizer's rate, so it needs the injected form."""
         keys = tuple(param_group["params"])
         if not keys:
             return
-        lr = float(param_group["lr"]) if param_group.get("lr") is not None else self.base_lr()
         params = self._trainer.train_state.params
-        check_settable(self.optimizer_entry, {k: params[k] for k in keys}, "add_param_group")
+        sub = {k: params[k] for k in keys}
         n = len(self._groups()) + 2  # torch counts groups from 1, and group 1 is the optimizer's own
-        self._new.append(AddedGroup(self.index, f"opt{self.index}_pg{n}", keys, lr))
+        label = f"opt{self.index}_pg{n}"
+        entry = self.optimizer_entry
+        if isinstance(entry, optax.GradientTransformation) and not isinstance(entry, ParamGroups):
+            injected = bool(driven_states(jax.eval_shape(entry.init, sub)))
+        else:
+            injected = True  # param_groups(...): check_settable says why it cannot take a group
+        if injected:
+            lr = float(param_group["lr"]) if param_group.get("lr") is not None else self.base_lr()
+            check_settable(entry, sub, "add_param_group")
+            self._new.append(AddedGroup(self.index, label, keys, lr))
+        else:
+            alias = scaled_alias(entry, sub, f"add_param_group (optimizer {self.index})")
+            if any(c.optimizer_index == self.index for c in self._config.schedulers):
+                raise MisconfigurationError(
+                    f"add_param_group: optimizer {self.index} ({alias}) has an lr_scheduler, whose rate an added "
+                    f"group must follow, and the rate lives in optax's closure: build it with "
+                    f"optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)"
+                )
+            if param_group.get("lr") is not None:
+                raise MisconfigurationError(
+                    f"add_param_group(lr={param_group['lr']}): optimizer {self.index} is {alias} with its learning "
+                    f"rate in optax's closure, so an absolute rate cannot be turned into a multiple of it. Leave "
+                    f'lr out (unfreeze_and_add_param_group then uses initial_denom_lr; add_param_group "lr_scale"), '
+                    f"or build it with optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)"
+                )
+            scale = float(param_group.get("lr_scale", 1.0))
+            self._new.append(AddedGroup(self.index, label, keys, None, lr_scale=scale))
         self.changed = True
 
     @property
@@ -154,8 +195,9 @@ def read_learning_rate(trainer: Any, index: int, cache: dict | None = None) -> f
     if not groups or not groups[0].readable:
         raise MisconfigurationError(
             f"optimizer {index}'s learning rate is not in its optax state (a rate baked into optax.adam(1e-3) "
-            f"lives in a closure): build it with optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), or "
-            f"pass lr= explicitly"
+            f"lives in a closure): build it with optax.inject_hyperparams(optax.adam)(learning_rate=1e-3) "
+            f"(BaseFinetuning.unfreeze_and_add_param_group without lr= takes the plain optimizer: the group runs at "
+            f"its rate / initial_denom_lr)"
         )
     return float(jax.device_get(info.values(opt.state_of(st.opt_state))[0]["lr"]))
 
@@ -221,6 +263,8 @@ class BaseFinetuning(Callback):
                     raise TypeError(f"internal_optimizer_metadata[{k!r}][{i}]['params']: expected parameter paths")
                 if g.get("lr") is not None and not isinstance(g["lr"], (int, float)):
                     raise TypeError(f"internal_optimizer_metadata[{k!r}][{i}]['lr']: expected a number")
+                if g.get("lr_scale") is not None and not isinstance(g["lr_scale"], (int, float)):
+                    raise TypeError(f"internal_optimizer_metadata[{k!r}][{i}]['lr_scale']: expected a number")
         for k, v in state_dict.get("last_lr", {}).items():
             int(k), float(v)
         held = state_dict.get("held_batchnorms", [])
@@ -259,6 +303,10 @@ class BaseFinetuning(Callback):
                     )
                 for k in g["params"]:
                     self._frozen.pop(by_path[k], None)
+                scale = g.get("lr_scale")
+                if scale is not None:  # a plain optax alias's group: its multiple is part of its transformation
+                    new.append(AddedGroup(index, f"opt{index}_pg{n}", tuple(g["params"]), None, float(scale)))
+                    continue
                 lr = g["lr"] if g.get("lr") is not None else 0.0  # the real rate comes with the optimizer state
                 new.append(AddedGroup(index, f"opt{index}_pg{n}", tuple(g["params"]), float(lr)))
         held = set(state_dict.get("held_batchnorms", []))
@@ -365,13 +413,15 @@ class BaseFinetuning(Callback):
         group 0's rate divided by ``initial_denom_lr``), its optimizer state fresh."""
         self.make_trainable(modules)
         params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
-        if params_lr is None:
-            optimizer.base_lr()  # raises, saying how to make the rate readable
         denom_lr = initial_denom_lr if lr is None else 1.0
         paths = self._paths(optimizer._trainer.lightning_module)
         found = [paths[id(p)] for p in self.filter_params(modules, train_bn=train_bn, requires_grad=True)]
         found = self.filter_on_optimizer(optimizer, found)
-        if found:
+        if not found:
+            return
+        if params_lr is None:  # a plain optax alias: the rate is unknown, its multiple is not
+            optimizer.add_param_group({"params": found, "lr_scale": 1.0 / denom_lr})
+        else:
             optimizer.add_param_group({"params": found, "lr": params_lr / denom_lr})
 
     @staticmethod
@@ -412,7 +462,7 @@ class BaseFinetuning(Callback):
         self._follow_schedulers(trainer, handles)
         for i, opt in enumerate(handles):
             self.finetune_function(pl_module, trainer.current_epoch, opt)
-            self._store(i, opt.param_groups)
+            self._store(i, opt)
         self._apply(trainer, handles)
 
     def _follow_schedulers(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
@@ -438,10 +488,15 @@ class BaseFinetuning(Callback):
             except MisconfigurationError:
                 pass
 
-    def _store(self, index: int, groups: list[_ParamGroup]) -> None:
+    def _store(self, index: int, opt: FinetuneOptimizer) -> None:
         # every epoch, not only when the group count changes (Lightning): the rates stored are those a
-        # resume re-adds the groups with (the optimizer state then brings the exact values)
-        self._internal_optimizer_metadata[index] = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
+        # resume re-adds the groups with (the optimizer state then brings the exact values); a group of a
+        # plain optax alias keeps its multiple of the optimizer's rate (part of its transformation)
+        scales = [None, *(g.lr_scale for g in opt._groups())]
+        self._internal_optimizer_metadata[index] = [
+            {"params": list(g["params"]), "lr": g["lr"], **({"lr_scale": s} if s is not None else {})}
+            for g, s in zip(opt.param_groups, scales)
+        ]
 
     def _apply(self, trainer: Any, handles: list[FinetuneOptimizer]) -> None:
         """One optimizer rebuild for every group added in this hook; learning rates written into the state."""
@@ -542,6 +597,8 @@ class BackboneFinetuning(BaseFinetuning):
     def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: FinetuneOptimizer) -> None:
         if epoch == self.unfreeze_backbone_at_epoch:
             current_lr = optimizer.param_groups[0]["lr"]
+            if current_lr is None:  # BackboneFinetuning computes rates from the optimizer's: it must be readable
+                optimizer.base_lr()  # raises, naming the fix
             initial_backbone_lr = (
                 self.backbone_initial_lr
                 if self.backbone_initial_lr is not None

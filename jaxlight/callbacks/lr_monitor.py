@@ -48,7 +48,9 @@ def _plan(config: Any, infos: list[Any]) -> list[_Entry]:
         groups = infos[i].optimized_groups
         added = [g for g in config.groups if g.optimizer == i]
         names = [_suffix(base, groups, j, len(added)) if g.readable else None for j, g in enumerate(groups)]
-        return _Entry(i, interval, names, [(f"{base}/pg{len(groups) + k + 1}", g) for k, g in enumerate(added)])
+        # a group at a multiple of a plain alias's rate (lr_scale) has no rate to read: numbered, not logged
+        logged = [(f"{base}/pg{len(groups) + k + 1}", g) for k, g in enumerate(added) if g.lr_scale is None]
+        return _Entry(i, interval, names, logged)
 
     for c in config.schedulers:
         i = c.optimizer_index
