@@ -7,7 +7,6 @@ One object owns the counters a resumed run needs, so checkpointing saves
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,7 +84,13 @@ class LoopPosition:
     def resume_point(self, batches_per_epoch: int | float) -> tuple[int, int, bool]:
         """``(epoch to resume in, batches of it already consumed, whether it starts fresh)``."""
         done = self.batches_in_epoch
-        finished = self.epoch_finished or (batches_per_epoch != math.inf and done >= batches_per_epoch and done > 0)
+        # Only an epoch whose end has begun (``epoch_finished``: its validation and epoch-end hooks run or
+        # running) resumes at the next one. A save after its last batch but before that (a step-cadence or
+        # preemption save in ``on_train_batch_end``, a save at the last batch's validation) resumes inside it,
+        # with every batch consumed, so the resumed run still runs its epoch end: before, it went straight to
+        # the next epoch and lost what the epoch-end hooks do (a held nnx.Metric's reset, epoch-level logs,
+        # an epoch scheduler), unlike the run that never stopped.
+        finished = self.epoch_finished
         if finished:
             return self.epoch + 1, 0, True
         return self.epoch, done, done == 0
