@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlight import rank_failure
 from jaxlight.binding import ModuleBinding
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
@@ -616,7 +617,10 @@ def _assert_same_batch_across_processes(stage: str, batch: Any) -> None:
     try:
         multihost_utils.assert_equal(digest, f"{stage} batches differ across processes")
     except AssertionError as e:
-        raise MisconfigurationError(
-            f"{stage} batches have a different structure on process {jax.process_index()}: {desc}; every "
-            f"process must yield batches of the same shapes and dtypes"
+        # every process raises here together: not one rank's failure that must stop the others
+        raise rank_failure.on_every_process(
+            MisconfigurationError(
+                f"{stage} batches have a different structure on process {jax.process_index()}: {desc}; every "
+                f"process must yield batches of the same shapes and dtypes"
+            )
         ) from e

@@ -16,11 +16,19 @@ with a non-zero status, the others get ``--grace-period`` seconds to exit on the
 and, ``TERM_TO_KILL_S`` seconds later, SIGKILL (with a peer gone no checkpoint can be written, so
 nothing is worth a second grace period). The launcher exits with the first non-zero status (128 + N
 for a process killed by signal N), or 0.
+
+When a process fails, the launcher first prints which one and why: ``jaxlight launch: rank R failed
+(exit status S): Type: message`` followed by that rank's traceback. A rank that raised in a Trainer
+entry point says so itself (``jaxlight: rank R failed: ...``, see :mod:`jaxlight.rank_failure`), and
+the others then stop within seconds; that rank is the one reported, and its status is the launch's,
+even when a peer it stopped exited first. Otherwise the first process to exit non-zero is reported,
+with the last Python traceback among its final stderr lines, if any.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import signal
@@ -50,6 +58,11 @@ STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGUSR1/2 a
 DEFAULT_GRACE_PERIOD = 30.0
 TERM_TO_KILL_S = 2.0  # after a failure: from the launcher's own SIGTERM to SIGKILL
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
+# What a failing rank prints (jaxlight.rank_failure.header / footer; not imported: it imports jax).
+_FAILURE_HEADER = re.compile(r"^jaxlight: rank (\d+) failed: (.*)$")
+_FAILURE_FOOTER = "jaxlight: end of rank {rank}'s traceback"
+TAIL_LINES = 200  # stderr lines kept per rank, to show a failed rank's traceback
+REPORT_LINES = 400  # at most this many lines of a rank's own failure report are kept
 
 
 class LaunchError(ValueError):
@@ -217,13 +230,19 @@ class Launcher:
         self._kill_at: float | None = None  # when the processes still running get SIGKILL (one escalation)
         self._lock = threading.Lock()
         self._pumps: list[threading.Thread] = []
+        self._rank_pumps: dict[int, list[threading.Thread]] = {}
+        self._tails: list[collections.deque[str]] = [collections.deque(maxlen=TAIL_LINES) for _ in range(nprocs)]
+        # rank -> (summary, traceback lines, footer seen) of the failure it reported itself, in arrival order
+        self._reports: dict[int, tuple[str, list[str], bool]] = {}
 
     # -- output
-    def _pump(self, rank: int, pipe: IO[bytes], sink: IO[bytes]) -> None:
+    def _pump(self, rank: int, pipe: IO[bytes], sink: IO[bytes], is_stderr: bool = False) -> None:
         tag = f"[rank {rank}] ".encode() if self.prefix else b""
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
+            if is_stderr:
+                self._note(rank, line.decode(errors="replace").rstrip("\r\n"))
             with self._lock:
                 try:
                     sink.write(tag + line)
@@ -231,6 +250,42 @@ class Launcher:
                 except (OSError, ValueError):  # our own output closed: keep draining the child's pipe
                     pass
         pipe.close()
+
+    def _note(self, rank: int, text: str) -> None:
+        """Keep a stderr line of ``rank``: its tail, and its own failure report (header to footer)."""
+        self._tails[rank].append(text)
+        report = self._reports.get(rank)
+        if report is None:
+            m = _FAILURE_HEADER.match(text)
+            if m and int(m.group(1)) == rank:
+                self._reports[rank] = (m.group(2), [], False)
+        elif not report[2]:
+            if text == _FAILURE_FOOTER.format(rank=rank):
+                self._reports[rank] = (report[0], report[1], True)
+            elif len(report[1]) < REPORT_LINES:
+                report[1].append(text)
+
+    def failed_rank(self) -> int | None:
+        """The rank whose failure ended the run: the first that reported one itself, else the first to exit
+        non-zero (None while none has)."""
+        if self._reports:
+            return next(iter(self._reports))
+        return self.first_failure[0] if self.first_failure else None
+
+    def _failure_summary(self) -> str:
+        """The block printed at the first failure: the failed rank, its status and error, its traceback."""
+        rank = self.failed_rank()
+        assert rank is not None
+        status = self.exit_codes[rank]
+        said = f"rank {rank} failed" + (f" (exit status {status})" if status is not None else "")
+        if rank in self._reports:
+            summary, lines, _ = self._reports[rank]
+            return "\n".join([f"{said}: {summary}", *lines])
+        tail = list(self._tails[rank])
+        starts = [i for i, t in enumerate(tail) if t.startswith("Traceback (most recent call last):")]
+        lines = tail[starts[-1] :] if starts else []
+        error = next((t for t in reversed(lines) if t and not t[0].isspace()), None) if lines else None
+        return "\n".join([f"{said}" + (f": {error}" if error else ""), *lines])
 
     def _say(self, msg: str) -> None:
         with self._lock:
@@ -274,10 +329,11 @@ class Launcher:
                 )
             )
         for rank, p in enumerate(self.procs):
-            for pipe, sink in ((p.stdout, self.stdout), (p.stderr, self.stderr)):
-                t = threading.Thread(target=self._pump, args=(rank, pipe, sink), daemon=True)
+            for pipe, sink, is_stderr in ((p.stdout, self.stdout, False), (p.stderr, self.stderr, True)):
+                t = threading.Thread(target=self._pump, args=(rank, pipe, sink, is_stderr), daemon=True)
                 t.start()
                 self._pumps.append(t)
+                self._rank_pumps.setdefault(rank, []).append(t)
 
     def wait(self, poll_interval: float = 0.05) -> int:
         """Wait for every process; stop the others after a failure; return the launch's exit status."""
@@ -290,6 +346,10 @@ class Launcher:
                     if status != 0 and self.first_failure is None:
                         self.first_failure = (rank, status)
                         left = sum(c is None for c in self.exit_codes)
+                        for t in self._rank_pumps.get(rank, []):  # its last lines (its traceback) first
+                            t.join(timeout=2.0)
+                        if self._reports or not self.signals_received:
+                            self._say(self._failure_summary())
                         if self.signals_received:
                             # we forwarded a signal: the others are stopping (maybe saving a checkpoint) on their own
                             continue
@@ -314,6 +374,9 @@ class Launcher:
             time.sleep(poll_interval)
         for t in self._pumps:
             t.join(timeout=5.0)
+        rank = self.failed_rank()
+        if rank is not None and self.exit_codes[rank]:
+            return int(self.exit_codes[rank])  # the failed rank's status, not that of a peer it stopped first
         return self.first_failure[1] if self.first_failure else 0
 
     def run(self) -> int:

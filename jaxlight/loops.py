@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
+from jaxlight import rank_failure
 from jaxlight.config import RUN_AHEAD as RUN_AHEAD  # its home is jaxlight.config; this path keeps working
 from jaxlight.config import TrainerConfig
 from jaxlight.data import BatchPlacer
@@ -113,39 +114,43 @@ def stage_run(
     Before: ``prepare_data`` on process 0 (the datamodule's, then the
     module's), the datamodule's ``setup``, the ``setup`` hook, empty metric
     views. On failure: a failed fit first points the module at the last
-    completed step's weights (``sync_module``), then ``on_exception`` runs.
-    After, always: the loggers' ``finalize``, the datamodule's ``teardown``,
+    completed step's weights (``sync_module``), then ``on_exception`` runs;
+    in a multi-process run the failure is first published to the other
+    processes, which stop (:mod:`jaxlight.rank_failure`). After, always: the loggers' ``finalize``, the datamodule's ``teardown``,
     the ``teardown`` hook, and the stage flags cleared.
     """
     reporter.stage = stage.name
     status = "success"
-    try:
-        if datamodule is not None and jax.process_index() == 0:
-            datamodule.prepare_data()
-        if jax.process_index() == 0:
-            hooks.call_module("prepare_data")
-        if datamodule is not None:
-            datamodule.setup(stage.fn)
-        hooks.call("setup", stage.fn)
-        reporter.reset()  # Lightning: every run starts with empty metric views
-        reporter.open_loggers()
-        yield
-    except BaseException as e:
-        status = "failed"
-        if stage.name == "train":
-            try:  # leave the module usable with the last completed step's weights
-                sync_module()
-            except Exception:
-                pass  # e.g. the state was donated to the failed step
-        hooks.call_on_exception(e)
-        raise
-    finally:
-        reporter.finalize_loggers(status)
-        if datamodule is not None:
-            datamodule.teardown(stage.fn)
-        hooks.call("teardown", stage.fn)
-        reporter.stage = "train"
-        state.training = state.validating = state.testing = state.predicting = False
+    with rank_failure.watching():
+        try:
+            if datamodule is not None and jax.process_index() == 0:
+                datamodule.prepare_data()
+            if jax.process_index() == 0:
+                hooks.call_module("prepare_data")
+            if datamodule is not None:
+                datamodule.setup(stage.fn)
+            hooks.call("setup", stage.fn)
+            reporter.reset()  # Lightning: every run starts with empty metric views
+            reporter.open_loggers()
+            yield
+        except BaseException as e:
+            status = "failed"
+            # first: the hooks below may block in a collective the peers never join
+            rank_failure.report(e)
+            if stage.name == "train":
+                try:  # leave the module usable with the last completed step's weights
+                    sync_module()
+                except Exception:
+                    pass  # e.g. the state was donated to the failed step
+            hooks.call_on_exception(e)
+            raise
+        finally:
+            reporter.finalize_loggers(status)
+            if datamodule is not None:
+                datamodule.teardown(stage.fn)
+            hooks.call("teardown", stage.fn)
+            reporter.stage = "train"
+            state.training = state.validating = state.testing = state.predicting = False
 
 
 # ---------------------------------------------------------------------------- data of a stage

@@ -6,6 +6,7 @@ Prints its launch environment on stdout and a line on stderr, writes OUT_DIR/ran
   fail   rank 1 exits with status 3 at once; the others wait for a signal
   wait   wait for a signal (SIGTERM/SIGINT/SIGUSR1: record it in OUT_DIR/signal_<i>, exit 143)
   stubborn  rank 1 exits with status 5; the others ignore SIGTERM (only SIGKILL stops them)
+  raise  rank 1 raises RuntimeError("plain 7") (an uncaught traceback, status 1); the others wait for a signal
 """
 
 import json
@@ -53,6 +54,8 @@ print(f"ready {rank} on stdout", flush=True)
 print(f"note {rank} on stderr", file=sys.stderr, flush=True)
 if mode == "ok":
     sys.exit(0)
+if mode == "raise" and rank == 1:
+    raise RuntimeError("plain 7")
 if mode in ("fail", "stubborn") and rank == 1:
     sys.exit(3 if mode == "fail" else 5)
 deadline = time.monotonic() + 120

@@ -125,6 +125,23 @@ def test_first_failure_sets_the_status_and_stops_the_others(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_a_failed_process_is_reported_first_with_its_traceback(tmp_path):
+    # no jaxlight report of its own (a plain uncaught exception): the launcher shows its last traceback
+    r = subprocess.run(
+        [*LAUNCH, "--nprocs", "2", "--grace-period", "0.5", CHILD, "raise", str(tmp_path)],
+        cwd=ROOT,  # this checkout's jaxlight (the tests run in a temporary directory)
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=90,
+    )
+    assert r.returncode == 1, r.stderr
+    own = [line for line in r.stderr.splitlines() if not line.startswith("[rank ")]
+    assert own[0] == "jaxlight launch: rank 1 failed (exit status 1): RuntimeError: plain 7", r.stderr
+    assert own[1] == "Traceback (most recent call last):" and own.index("RuntimeError: plain 7") > 1
+    assert any(line.startswith("jaxlight launch: rank 1 exited with status 1") for line in own)
+
+
 def test_a_process_ignoring_sigterm_is_killed(tmp_path):
     r = subprocess.run(
         [*LAUNCH, "--nprocs", "2", "--grace-period", "0.5", CHILD, "stubborn", str(tmp_path)],

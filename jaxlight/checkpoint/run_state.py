@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from jaxlight import distributed, serialization
+from jaxlight import distributed, rank_failure, serialization
 from jaxlight.checkpoint.discovery import next_commit_seq
 from jaxlight.checkpoint.format import (
     FORMAT,
@@ -199,9 +199,11 @@ def prepare(
     # Multi-process saves: if any process failed to build its part, all of them raise (none waits in orbax).
     failed = distributed.processes_where(error is not None)
     if error is not None:
-        raise error
+        raise rank_failure.on_every_process(error)
     if failed:
-        raise CheckpointError(f"cannot save the checkpoint: process(es) {failed} failed to build their part of it")
+        raise rank_failure.on_every_process(
+            CheckpointError(f"cannot save the checkpoint: process(es) {failed} failed to build their part of it")
+        )
     return PreparedSave(path, groups, meta, host_arrays, text, needed)
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxlight import distributed
+from jaxlight import distributed, rank_failure
 from jaxlight.checkpoint import dirlock, publish
 from jaxlight.checkpoint.discovery import next_commit_seq
 from jaxlight.checkpoint.format import disk_full_error
@@ -60,10 +60,10 @@ class CheckpointWriter:
                 error = e
         failed = distributed.processes_where(error is not None)
         if error is not None:
-            raise error
+            raise rank_failure.on_every_process(error)
         if failed:
-            raise CheckpointError(
-                f"checkpoint directory {dirpath} could not be taken by process 0 (its error says why)"
+            raise rank_failure.on_every_process(
+                CheckpointError(f"checkpoint directory {dirpath} could not be taken by process 0 (its error says why)")
             )
 
     def release(self) -> None:
