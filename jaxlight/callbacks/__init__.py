@@ -12,6 +12,7 @@ from jaxlight.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from jaxlight.callbacks.preemption import Preemption
 from jaxlight.callbacks.profiler import ProfilerWindow
 from jaxlight.callbacks.progress import TQDMProgressBar
+from jaxlight.callbacks.swa import StochasticWeightAveraging
 from jaxlight.callbacks.throughput import ThroughputMonitor
 from jaxlight.callbacks.timer import Timer
 
@@ -28,3 +29,4 @@ __all__ += [
 ]
 __all__ += ["ModelCheckpoint", "Preemption"]
 __all__ += ["BackboneFinetuning", "BaseFinetuning"]
+__all__ += ["StochasticWeightAveraging"]
