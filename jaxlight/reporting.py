@@ -88,6 +88,7 @@ class MetricReporter:
         self._step_views: dict[tuple[str, ...], tuple[MetricStore, tuple]] = {}  # see on_train_step
         self._loss_warned = False
         self._pbar_current = True  # progress_bar_metrics hold the latest train step's values (fetched)
+        self._fetched_loss: tuple[Any, float] | None = None  # (step loss, its value) fetched with the prog bar
         self._loss_ok_at: int | None = None  # the last step whose loss was checked and finite
 
     def store(self, stage: str) -> MetricStore:
@@ -265,9 +266,15 @@ class MetricReporter:
     def check_epoch_loss(self) -> None:
         """At an epoch's end: the epoch's last train loss, unless its logging step fetched it already.
 
-        One scalar per epoch, never per step, fetched after the epoch's own metrics (so the device has
-        already run that step): a run shorter than ``log_every_n_steps`` is not silent about a NaN.
+        One scalar per epoch, never per step, fetched with the progress-bar values of that step when
+        :meth:`refresh_progress_bar` ran for it (one transfer), else here: a run shorter than
+        ``log_every_n_steps`` is not silent about a NaN. Judged after the epoch-end hooks, so a
+        ``NonFiniteGuard`` raising there speaks first.
         """
+        held, self._fetched_loss = self._fetched_loss, None
+        if held is not None and held[0] is self._step_loss:
+            self._check_loss(held[1], epoch_end=True)
+            return
         if not self._loss_due():
             return
         self._checked_loss = self._step_loss
@@ -275,7 +282,8 @@ class MetricReporter:
 
     def refresh_progress_bar(self) -> None:
         """Show the last train step's progress-bar values even between logging steps (epoch ends, and
-        validation inside fit, read them as Lightning's do); no fetch when they are already there."""
+        validation inside fit, read them as Lightning's do); no fetch when they are already there. The
+        step's loss, when still unchecked, comes in the same transfer for :meth:`check_epoch_loss`."""
         if self._pbar_current:
             return
         self._pbar_current = True
@@ -283,9 +291,14 @@ class MetricReporter:
         if store is None:
             return
         vals = {k: v for k, v in store.step_values.items() if store.specs[k].on_step and store.specs[k].prog_bar}
+        if self._loss_due():
+            vals[_LOSS] = self._checked_loss = self._step_loss
         if not vals:
             return
-        for k, v in to_host(vals).items():
+        fetched = to_host(vals)
+        if _LOSS in fetched:
+            self._fetched_loss = (self._step_loss, fetched.pop(_LOSS))
+        for k, v in fetched.items():
             spec = store.specs[k]
             self.progress_bar_metrics[_name(spec, k, "step") if spec.on_epoch else k] = v
 
@@ -379,6 +392,7 @@ class MetricReporter:
             store.reset_epoch()
         self._host_col = None
         self._step_loss, self._loss_warned, self._checked_loss, self._loss_ok_at = None, False, None, None
+        self._fetched_loss, self._pbar_current = None, True
         self.reset_eval_counts()
 
     def clear_views(self) -> None:
