@@ -405,9 +405,10 @@ class Engine:
             )
             idx = jax.ShapeDtypeStruct((), jnp.int32) if batch_idx is None else batch_idx
             flush = jax.ShapeDtypeStruct((), jnp.bool_)
+            epoch = jax.ShapeDtypeStruct((), jnp.int32)
             fn = jax.jit(builder.train_step, donate_argnums=0, out_shardings=(shardings, None, None))
             with lightning_step_call(module, "training_step"):
-                compiled = fn.lower(state, batch, idx, flush).compile()
+                compiled = fn.lower(state, batch, idx, flush, epoch).compile()
         return compiled, state
 
     # -- compile ------------------------------------------------------------------------------
@@ -420,11 +421,15 @@ class Engine:
         batch: Any,
         batch_idx: Any,
         valid: Any,
+        counters: Any,
         *,
         shares: int = 1,
         dataloader_idx: int | None = None,
     ) -> Any:
-        """Lower and compile an evaluation step ``(params, rest, batch, batch_idx, valid) -> (out, logs)``.
+        """Lower and compile an evaluation step ``(params, rest, batch, batch_idx, valid, counters) -> (out, logs)``.
+
+        ``counters`` (int32[2]): the run's ``[global_step, current_epoch]``, an argument so the step reads
+        them as traced values (one program for every validation run) rather than the numbers of the first.
 
         ``valid`` (int32) is the number of real rows per share of a padded
         batch (the full share for an unpadded one): the step is traced inside a
@@ -440,15 +445,15 @@ class Engine:
         rows = int(jax.tree.leaves(batch)[0].shape[0])
         method = STAGES[stage].step_method
 
-        def eval_step(params, rest, batch, batch_idx, valid):
+        def eval_step(params, rest, batch, batch_idx, valid, counters):
             ctx = StepContext(valid=valid, shares=shares, rows=rows, dataloader_idx=dataloader_idx)
             with step_context(ctx), lightning_step_call(b.module, method, dataloader_idx):
-                return b.eval_step_carrying(stage, params, rest, batch, batch_idx)
+                return b.eval_step_carrying(stage, params, rest, batch, batch_idx, counters)
 
         eval_step.__name__ = f"{stage}_step"
         with self.context():
             compiled = _CarryingEvalStep(
-                jax.jit(eval_step).lower(params, rest, batch, batch_idx, valid).compile(), self
+                jax.jit(eval_step).lower(params, rest, batch, batch_idx, valid, counters).compile(), self
             )
         self.compile_counts[stage] += 1
         self.compiled[key] = compiled
@@ -459,8 +464,8 @@ class Engine:
         """The evaluation step compiled under ``key`` for this batch's shapes and dtypes, or None."""
         return self.eval_steps.get((key, _signature(batch)))
 
-    def compile_train(self, state: TrainState, batch: Any, batch_idx: Any, flush: Any) -> Any:
-        """Lower and compile the train step ``(state, batch, batch_idx, flush) -> (state, outputs, logs)``
+    def compile_train(self, state: TrainState, batch: Any, batch_idx: Any, flush: Any, epoch: Any) -> Any:
+        """Lower and compile the train step ``(state, batch, batch_idx, flush, epoch) -> (state, outputs, logs)``
         for these example arguments, the state donated. Stored by the batch's shapes
         (:meth:`train_step_for`); the first one of a training setup also under ``compiled["train"]``."""
         b = self.builder
@@ -469,7 +474,7 @@ class Engine:
         with self.context():
             fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
-                traced = fn.trace(state, batch, batch_idx, flush)
+                traced = fn.trace(state, batch, batch_idx, flush, epoch)
                 compiled = _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, 1)
         self.compile_counts["train"] += 1
         self.train_steps[_signature(batch)] = compiled
@@ -481,10 +486,10 @@ class Engine:
         return self.train_steps.get(_signature(batch))
 
     def compile_train_steps(
-        self, state: TrainState, batches: Sequence[Any], batch_idx: Any, flush: Any, full: bool
+        self, state: TrainState, batches: Sequence[Any], batch_idx: Any, flush: Any, epoch: Any, full: bool
     ) -> Any:
         """Lower and compile ``len(batches)`` train steps as one program (``Trainer(steps_per_execution=N)``):
-        ``(state, batches, batch_idx[N], flush[N]) -> (state, outputs per step, logs per step)``, the state
+        ``(state, batches, batch_idx[N], flush[N], epoch) -> (state, outputs per step, logs per step)``, the state
         donated once (:class:`~jaxlight.multistep.MultiStep`). Stored in ``multi_steps`` by (step count,
         batch shapes) (:meth:`train_steps_for`); the full execution (``full``) also under ``compiled["train"]``;
         counted in ``compile_counts["train"]``."""
@@ -496,7 +501,7 @@ class Engine:
             fn = jax.jit(program, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
                 # host hooks' writes (metrics.reset() at epoch end) reach the execution, as a single step's
-                traced = fn.trace(state, tuple(batches), batch_idx, flush)
+                traced = fn.trace(state, tuple(batches), batch_idx, flush, epoch)
                 compiled = _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, len(batches))
         self.compile_counts["train"] += 1
         self.multi_steps[(len(batches), _signature(batches[0]))] = compiled

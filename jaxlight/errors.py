@@ -49,3 +49,13 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         where = f"; checkpoint {self.path}" if self.path else "; no checkpoint written (checkpointing disabled)"
         return f"preempted (signal {self.signum}) at global step {self.step}{where}"
+
+
+class HostSideEffectWarning(UserWarning):
+    """A step method changed host state (a plain attribute of the module, a list it holds, an attribute of a
+    plain object such as an agent or a replay buffer) while it was traced.
+
+    Step methods run once, when the step is traced, and then as a compiled program that never runs their
+    Python code again: the change happened once and will not happen per batch. Host work per batch belongs
+    in a host hook (``on_train_batch_start``) or the data loader.
+    """

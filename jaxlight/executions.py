@@ -230,7 +230,7 @@ class Executions:
                 break
         return got
 
-    def _single(self, item: Prefetched, batch: Any, idx: Any, flush: Any) -> tuple[Any, Any]:
+    def _single(self, item: Prefetched, batch: Any, idx: Any, flush: Any, epoch: Any) -> tuple[Any, Any]:
         """The train step for one batch, compiled once per batch shape (a ragged batch: the step for its own
         shape), and the batch to give it (placed when the step is compiled from it)."""
         engine = self.loop.parts.engine
@@ -244,12 +244,12 @@ class Executions:
             if "train" not in engine.compiled:
                 engine.batch_rows["train"] = item.rows
             batch = item.placed()  # compiled for the placed batch's shardings
-            compiled = engine.compile_train(engine.train_state, batch, idx, flush)
+            compiled = engine.compile_train(engine.train_state, batch, idx, flush, epoch)
             self.loop.parts.reporter.store("train").register(engine.builder.log_specs.get("train", {}))
             note_ragged_compiles(engine)
         return compiled, batch
 
-    def _program(self, group: list[Prefetched], batches: tuple, idxs: Any, flush: Any) -> Any:
+    def _program(self, group: list[Prefetched], batches: tuple, idxs: Any, flush: Any, epoch: Any) -> Any:
         """The compiled program for an execution of several steps (N, or fewer: the epoch's partial last
         execution, the batches before a ragged one), compiled once per (steps, batch shapes)."""
         engine, reporter = self.loop.parts.engine, self.loop.parts.reporter
@@ -259,7 +259,8 @@ class Executions:
         if "train" not in engine.compiled:
             engine.batch_rows["train"] = group[0].rows
         batches = tuple(it.placed() for it in group)  # compiled for the placed batches' shardings
-        compiled = engine.compile_train_steps(engine.train_state, batches, idxs, flush, full=len(group) == self.plan.n)
+        full = len(group) == self.plan.n
+        compiled = engine.compile_train_steps(engine.train_state, batches, idxs, flush, epoch, full=full)
         reporter.store("train").register(engine.builder.log_specs.get("train", {}))
         return compiled
 
@@ -298,6 +299,8 @@ class Executions:
         items, self._ended, self._held = iter(fetcher), False, None
         # Lightning steps on a partial accumulation window at the epoch's last batch
         last_known = n_batches != math.inf and k > 1
+        # self.current_epoch inside the step: an argument of the compiled step (no recompile per epoch)
+        epoch = np.int32(pos.epoch)
         while True:
             group = self._take(items, n_batches)
             if not group:
@@ -316,15 +319,15 @@ class Executions:
                     break
                 idx = step_index(item.index)
                 flush = _FLUSH if last_known and item.index + 1 >= n_batches else _NO_FLUSH
-                compiled, batch = self._single(item, batch, idx, flush)
-                engine.train_state, out, log = compiled(engine.train_state, batch, idx, flush)
+                compiled, batch = self._single(item, batch, idx, flush, epoch)
+                engine.train_state, out, log = compiled(engine.train_state, batch, idx, flush, epoch)
                 outputs, logs, batches, flushes = (out,), (log,), (batch,), (flush,)
             else:
                 batches = tuple(it.host if it.batch is None else it.batch for it in group)
                 idxs = np.fromiter((it.index for it in group), np.int32, size)
                 flushes = np.fromiter((last_known and it.index + 1 >= n_batches for it in group), np.bool_, size)
-                compiled = self._program(group, batches, idxs, flushes)
-                engine.train_state, outputs, logs = compiled(engine.train_state, batches, idxs, flushes)
+                compiled = self._program(group, batches, idxs, flushes, epoch)
+                engine.train_state, outputs, logs = compiled(engine.train_state, batches, idxs, flushes, epoch)
             ahead.push(outputs[-1]["loss"])
             for j, item in enumerate(group):
                 cbs = None if j == size - 1 else self.inside

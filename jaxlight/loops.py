@@ -320,6 +320,8 @@ class EvalLoop:
         reporter.reset_epoch(stage.name)
         hooks.call(f"on_{hook}_epoch_start")
         predictions: list[list[Any]] = []
+        # what the step reads as self.global_step / self.current_epoch: an argument, made once per run
+        counters = np.array([parts.position.global_step, parts.position.epoch], np.int32)
         placer = batch_placer(parts)
         shares = placer.global_rows(1)
         ahead = RunAhead()
@@ -351,11 +353,12 @@ class EvalLoop:
                                 batch,
                                 np.int32(idx),
                                 n_valid,
+                                counters,
                                 shares=shares,
                                 dataloader_idx=dl_idx if multi else None,
                             )
                             reporter.store(stage.name).register(engine.builder.log_specs.get(stage.name, {}))
-                        out, logs = compiled(params, rest, batch, np.int32(idx), n_valid)
+                        out, logs = compiled(params, rest, batch, np.int32(idx), n_valid, counters)
                         ahead.push(out if out is not None else logs)
                         if valid is not None and out is not None:
                             out = _take_rows(out, item.rows, valid, shares)  # one output row per sample

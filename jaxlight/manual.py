@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight.state import merge_models, rest_after
+from jaxlight.state import merge_models, rest_after, written_params
 from jaxlight.tracing import check_loss
 
 if TYPE_CHECKING:
@@ -115,13 +115,17 @@ class ManualContext:
         self.grads: list[Any] = []
         self.last_loss: Any = None
         self._rest_dtypes = {k: getattr(v, "dtype", None) for k, v in state.model_state.items()}
+        self._bound_params: dict[str, Any] = {}  # the arrays self.models were built from (to tell writes apart)
 
     # -- the module's view ----------------------------------------------------------------------
     def make_models(self, params: Mapping[str, Any] | None = None, rest: Mapping[str, Any] | None = None) -> Any:
         b = self.builder
         p = self.params if params is None else params
         r = self.rest if rest is None else rest
-        return b.precision.bind(merge_models(b.parts, b.precision.compute(p), r, train=True))
+        computed = b.precision.compute(p)
+        if params is None:  # the module's view: what sync_rest compares its parameters against
+            self._bound_params = dict(computed)
+        return b.precision.bind(merge_models(b.parts, computed, r, train=True))
 
     def bind(self) -> None:
         """Point the module's NNX attributes at models holding the current parameters and state."""
@@ -129,9 +133,17 @@ class ManualContext:
         self.builder.module._point_at(self.models)
 
     def sync_rest(self) -> None:
-        """Read back what forward passes since the last bind changed (RNG counters, batch statistics)."""
+        """Read back what forward passes since the last bind changed (RNG counters, batch statistics), and
+        the parameters training_step assigned (a target network synced from the online one): later
+        ``manual_backward`` / ``opt.step`` calls and the step's result see the written values."""
         if self.models:
-            self.rest = self._cast_rest(rest_after(self.builder.parts, self.models))
+            b = self.builder
+            self.rest = self._cast_rest(rest_after(b.parts, self.models))
+            owner = type(b.module).__name__
+            written = written_params(b.parts, self.models, self._bound_params, self.params, owner)
+            if written:
+                self.params.update(written)
+                self.bind()  # the module's view rebuilt from them, so a write is read back once
 
     def _cast_rest(self, rest: Mapping[str, Any]) -> dict[str, Any]:
         return {

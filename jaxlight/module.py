@@ -20,6 +20,7 @@ from flax import nnx
 from jaxlight.hparams import AttributeDict, HyperparametersMixin
 from jaxlight.metrics import Collector
 from jaxlight.state import nnx_attributes
+from jaxlight.tracing import traced_counter
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxlight.trainer import Trainer
@@ -148,11 +149,20 @@ class LightningModule(HyperparametersMixin, ModelHooks, DataHooks):
         self._trainer = trainer
 
     @property
-    def global_step(self) -> int:
+    def global_step(self) -> Any:
+        """Optimizer steps done so far: a Python int in host hooks; inside a step method a traced int32
+        array (each step of the compiled program sees its own value; docs/trainer.md#counters-inside-a-step)."""
+        traced = traced_counter("global_step")
+        if traced is not None:
+            return traced
         return self._trainer.global_step if self._trainer is not None else 0
 
     @property
-    def current_epoch(self) -> int:
+    def current_epoch(self) -> Any:
+        """Completed epochs: a Python int in host hooks; inside a step method a traced int32 array."""
+        traced = traced_counter("current_epoch")
+        if traced is not None:
+            return traced
         return self._trainer.current_epoch if self._trainer is not None else 0
 
     @property

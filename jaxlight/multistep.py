@@ -30,7 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlight.step import TrainState
 
-TrainStepFn = Callable[[TrainState, Any, jax.Array, jax.Array], tuple[TrainState, dict[str, Any], dict[str, Any]]]
+TrainStepFn = Callable[
+    [TrainState, Any, jax.Array, jax.Array, jax.Array], tuple[TrainState, dict[str, Any], dict[str, Any]]
+]
 
 
 def stacked_sharding(sharding: Any) -> Any:
@@ -41,11 +43,12 @@ def stacked_sharding(sharding: Any) -> Any:
 
 
 class MultiStep:
-    """``(state, batches, batch_idx, flush) -> (state, outputs, logs)`` for ``len(batches)`` steps.
+    """``(state, batches, batch_idx, flush, epoch) -> (state, outputs, logs)`` for ``len(batches)`` steps.
 
     ``batches`` is a tuple of N batches of one structure and shape (each placed
     as a single step's batch); ``batch_idx`` (int32[N]) and ``flush`` (bool[N])
-    are each step's index and flush flag. ``outputs`` and ``logs`` are tuples of
+    are each step's index and flush flag; ``epoch`` (int32) is every step's, as an execution never
+    crosses an epoch's end. ``outputs`` and ``logs`` are tuples of
     N per-step trees, each shaped as a single step returns it. The carried state
     is constrained to ``state_shardings`` after every step, so each step sees its
     state laid out as a single step between calls would.
@@ -62,7 +65,7 @@ class MultiStep:
         return jax.lax.with_sharding_constraint(state, self.state_shardings)
 
     def __call__(
-        self, state: TrainState, batches: Sequence[Any], batch_idx: jax.Array, flush: jax.Array
+        self, state: TrainState, batches: Sequence[Any], batch_idx: jax.Array, flush: jax.Array, epoch: jax.Array
     ) -> tuple[TrainState, tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]]:
         n = len(batches)
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
@@ -74,7 +77,8 @@ class MultiStep:
 
         def one_step(carry: TrainState, xs: tuple[Any, jax.Array, jax.Array]):
             batch, idx, fl = xs
-            carry, outputs, logs = self.train_step(carry, batch, idx, fl)
+            # each step reads its own global_step: the carried state's step counter
+            carry, outputs, logs = self.train_step(carry, batch, idx, fl, epoch)
             return self._constrain(carry), (outputs, logs)
 
         state, (outputs, logs) = jax.lax.scan(one_step, state, (stacked, batch_idx, flush))

@@ -287,6 +287,27 @@ def eval_changes(parts: ModelParts, models: Mapping[str, Any], rest: Mapping[str
     return out
 
 
+def written_params(
+    parts: ModelParts, models: Mapping[str, Any], bound: Mapping[str, Any], stored: Mapping[str, Any], owner: str
+) -> dict[str, Any]:
+    """The parameters a traced step assigned (``nnx.update(self.target, nnx.state(self.net))``,
+    ``layer.kernel.value = ...``), by key, in their storage dtype (``stored``'s). ``bound``: the arrays the
+    models were built from; a parameter not written is that very array, so one identity check per
+    parameter tells them apart, at trace time only. A written value of another shape is refused by name."""
+    _, p, _ = nnx.split(graph_root(parts, models), nnx.Param, ...)
+    out = {}
+    for k, v in parts.params.to_flat(p).items():
+        if v is bound[k]:
+            continue
+        if getattr(v, "shape", None) != tuple(stored[k].shape):
+            raise ValueError(
+                f"{owner}.training_step assigned parameter {k!r} a value of shape {getattr(v, 'shape', None)}, "
+                f"but it has shape {tuple(stored[k].shape)}; a step may change a parameter's values, not its shape"
+            )
+        out[k] = v.astype(stored[k].dtype) if hasattr(v, "astype") else v
+    return out
+
+
 def holder_keys(parts: ModelParts) -> list[str]:
     """The ``rest`` keys of the NNX objects held beside the models (checkpoints from before jaxlight
     carried them lack these; a restore keeps their current values)."""

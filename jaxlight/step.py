@@ -35,8 +35,14 @@ from jaxlight.metrics import Collector
 from jaxlight.optim import AccumulationState
 from jaxlight.precision import Precision
 from jaxlight.stages import STAGES
-from jaxlight.state import ModelParts, eval_changes, merge_models, rest_after
-from jaxlight.tracing import StepError, check_loss, explained_tracing_errors
+from jaxlight.state import ModelParts, eval_changes, merge_models, rest_after, written_params
+from jaxlight.tracing import (
+    StepError,
+    check_loss,
+    explained_tracing_errors,
+    host_effects_watched,
+    traced_counters,
+)
 
 
 class TrainState(NamedTuple):
@@ -153,35 +159,55 @@ class StepBuilder:
         prec = self.precision
         return prec.bind(merge_models(self.parts, prec.compute(params), rest, train=train))
 
-    def train_step(self, state: TrainState, batch: Any, batch_idx: jax.Array, flush: jax.Array):
-        """``flush``: a traced bool; under gradient accumulation it makes this micro-batch end its window."""
+    def train_step(
+        self, state: TrainState, batch: Any, batch_idx: jax.Array, flush: jax.Array, epoch: jax.Array | None = None
+    ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
+        """``flush``: a traced bool; under gradient accumulation it makes this micro-batch end its window.
+        ``epoch``: the traced int32 epoch (``self.current_epoch`` inside the step; an argument, so one program
+        serves every epoch; None, for callers lowering the step themselves: it reads as on the host).
+        ``self.global_step`` inside the step is ``state.step``, the updates done so far."""
+        counters = {"global_step": state.step, "current_epoch": epoch}
         if self.manual:
-            state, outputs = self.update(state, None, {"batch": batch, "batch_idx": batch_idx, "flush": flush})
+            aux = {"batch": batch, "batch_idx": batch_idx, "flush": flush, "counters": counters}
+            state, outputs = self.update(state, None, aux)
             logs = outputs.pop("_logs")
             return state, outputs, logs
         prec = self.precision
         owner = type(self.module).__name__
 
         def loss_fn(params):
-            models = self._models(params, state.model_state, train=True)
+            bound = prec.compute(params)
+            models = prec.bind(merge_models(self.parts, bound, state.model_state, train=True))
             col = Collector("train", self._rows(batch), on_step=True, on_epoch=False)
-            with self.module._bound(models, col), explained_tracing_errors(owner, "training_step"):
+            with (
+                self.module._bound(models, col),
+                traced_counters(counters),
+                explained_tracing_errors(owner, "training_step"),
+                host_effects_watched(self.module, "training_step", self.parts.names),
+            ):
                 out = self.module.training_step(prec.compute(batch), batch_idx)
             loss, extras = split_training_output(out)
             rest = rest_after(self.parts, models)
             rest = {k: v.astype(state.model_state[k].dtype) if hasattr(v, "astype") else v for k, v in rest.items()}
             rest.update({k: state.model_state[k] for k in self.held_rest})
+            # parameters training_step assigned (a target network synced from the online one): they land,
+            # the optimizer's update applied on top of the written value (Lightning's order)
+            written = written_params(self.parts, models, bound, state.params, owner)
             self.log_specs["train"] = col.specs
-            return loss.astype(jnp.float32), (extras, col.values, rest)
+            return loss.astype(jnp.float32), (extras, col.values, rest, written)
 
-        (loss, (extras, logs, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        state, more = self.update(state, grads, {"loss": loss, "rest": rest, "flush": flush})
+        (loss, (extras, logs, rest, written)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        aux = {"loss": loss, "rest": rest, "flush": flush, "written": written}
+        state, more = self.update(state, grads, aux)
         return state, {"loss": loss, **extras, **more}, logs
 
     def _update(self, state: TrainState, grads: Any, aux: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
         """Apply the optimizer to ``grads``; ``aux`` has the step's ``loss`` and the forward's new ``rest``."""
         assert self.tx is not None
         loss, rest = aux["loss"], aux["rest"]
+        # parameters training_step wrote start the update from the written value (torch writes p.data, then
+        # the optimizer steps p); written parameters the optimizer leaves alone end the step at that value
+        base = {**state.params, **aux["written"]} if aux.get("written") else state.params
         outputs: dict[str, Any] = {}
         gnorm = ok = None
         if self.with_grad_norm or self.skip_nonfinite:
@@ -196,15 +222,15 @@ class StepBuilder:
                 # update boundary stays aligned with global_step) but contributes a zero gradient.
                 grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
         if accumulating:
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params, flush=aux["flush"])
+            updates, opt_state = self.tx.update(grads, state.opt_state, base, flush=aux["flush"])
         else:
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+            updates, opt_state = self.tx.update(grads, state.opt_state, base)
+        params = optax.apply_updates(base, updates)
         params = {k: v.astype(state.params[k].dtype) for k, v in params.items()}
         if self.skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             if not accumulating:
-                params = keep(params, state.params)
+                params = keep(params, base)  # a skipped update still keeps what training_step wrote
                 opt_state = keep(opt_state, state.opt_state)
             rest = keep(rest, state.model_state)
         updated = _has_updated(opt_state)
@@ -230,7 +256,9 @@ class StepBuilder:
             ctx.models = ctx.make_models()
             with (
                 self.module._bound(ctx.models, col),
+                traced_counters(aux["counters"]),
                 explained_tracing_errors(type(self.module).__name__, "training_step"),
+                host_effects_watched(self.module, "training_step", self.parts.names),
             ):
                 out = self.module.training_step(self.precision.compute(batch), batch_idx)
                 ctx.sync_rest()
@@ -258,18 +286,27 @@ class StepBuilder:
         outputs["_logs"] = col.values
         return state, outputs
 
-    def eval_step(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array):
-        out, logs, _ = self.eval_step_carrying(stage, params, rest, batch, batch_idx)
+    def eval_step(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array, counters: Any = None):
+        out, logs, _ = self.eval_step_carrying(stage, params, rest, batch, batch_idx, counters)
         return out, logs
 
-    def eval_step_carrying(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array):
+    def eval_step_carrying(
+        self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array, counters: Any = None
+    ):
         """``(out, logs, changed)``: :meth:`eval_step` and the non-parameter variables the step set that
-        evaluation carries (:func:`jaxlight.state.eval_changes`), by key."""
+        evaluation carries (:func:`jaxlight.state.eval_changes`), by key. ``counters``: traced int32
+        ``[global_step, current_epoch]`` of the run, what the step reads as ``self.global_step`` and
+        ``self.current_epoch`` (None: they read as on the host)."""
         prec = self.precision
         models = self._models(params, rest, train=False)
         col = Collector(stage, self._rows(batch), on_step=False, on_epoch=True)
         method = STAGES[stage].step_method
-        with self.module._bound(models, col), explained_tracing_errors(type(self.module).__name__, method):
+        values = {} if counters is None else {"global_step": counters[0], "current_epoch": counters[1]}
+        with (
+            self.module._bound(models, col),
+            traced_counters(values),
+            explained_tracing_errors(type(self.module).__name__, method),
+        ):
             out = getattr(self.module, method)(prec.compute(batch), batch_idx)
         self.log_specs[stage] = col.specs
         for k, v in jax.tree_util.tree_flatten_with_path(out)[0]:

@@ -46,6 +46,7 @@ from jaxlight.stages import STAGES, TRAIN, VALIDATE
 from jaxlight.step import TrainState
 from jaxlight.strategies.strategy import Piece, Strategy, resolve_strategy
 from jaxlight.summary import summarize
+from jaxlight.tracing import traced_counter
 
 __all__ = ["MisconfigurationError", "Trainer"]
 
@@ -148,18 +149,21 @@ class Trainer(ConfigAttributes):
         return len(self._devices)
 
     @property
-    def global_step(self) -> int:
-        """Optimizer updates applied so far (micro-batches inside accumulation do not count)."""
-        return self.position.global_step
+    def global_step(self) -> Any:
+        """Optimizer updates applied so far (micro-batches inside accumulation do not count); a traced
+        int32 array when read inside a step method (docs/trainer.md#counters-inside-a-step)."""
+        traced = traced_counter("global_step")
+        return self.position.global_step if traced is None else traced
 
     @global_step.setter
     def global_step(self, value: int) -> None:
         self.position.global_step = value
 
     @property
-    def current_epoch(self) -> int:
-        """Completed epochs."""
-        return self.position.epoch
+    def current_epoch(self) -> Any:
+        """Completed epochs; a traced int32 array when read inside a step method."""
+        traced = traced_counter("current_epoch")
+        return self.position.epoch if traced is None else traced
 
     @current_epoch.setter
     def current_epoch(self, value: int) -> None:
