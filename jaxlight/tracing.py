@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import re
+import threading
 import traceback
 import types
 import warnings
@@ -124,7 +125,7 @@ def explain_tracing_error(err: Exception, owner: str, method: str, counters_read
 @contextlib.contextmanager
 def explained_tracing_errors(owner: str, method: str) -> Iterator[None]:
     """Re-raise JAX's concretization errors from tracing ``owner.method`` as :class:`TracingError`."""
-    reads = _ACTIVE_COUNTERS[-1].read if _ACTIVE_COUNTERS else set()
+    reads = _ACTIVE.stack[-1].read if _ACTIVE.stack else set()
     try:
         yield
     except TracingError:
@@ -148,14 +149,22 @@ class TracedCounters:
         self.read: set[str] = set()
 
 
-_ACTIVE_COUNTERS: list[TracedCounters] = []  # a stack: tracing is synchronous, one step method at a time
+class _Active(threading.local):
+    # Per thread: the thread tracing a step sees its tracers; any other thread reading trainer.global_step
+    # meanwhile (a watcher, a logger's worker, a user's thread) gets the Python int, never a leaked tracer.
+    def __init__(self) -> None:
+        self.stack: list[TracedCounters] = []  # tracing is synchronous: one step method at a time per thread
+
+
+_ACTIVE = _Active()
 
 
 def traced_counter(name: str) -> Any | None:
     """The traced value of counter ``name`` while a step method is traced (recording the read), else None."""
-    if not _ACTIVE_COUNTERS:
+    stack = _ACTIVE.stack
+    if not stack:
         return None
-    active = _ACTIVE_COUNTERS[-1]
+    active = stack[-1]
     value = active.values.get(name)
     if value is not None:
         active.read.add(name)
@@ -166,11 +175,11 @@ def traced_counter(name: str) -> Any | None:
 def traced_counters(values: Mapping[str, Any]) -> Iterator[TracedCounters]:
     """Make ``self.global_step`` / ``self.current_epoch`` (and ``trainer``'s) read ``values`` inside the block."""
     active = TracedCounters(values)
-    _ACTIVE_COUNTERS.append(active)
+    _ACTIVE.stack.append(active)
     try:
         yield active
     finally:
-        _ACTIVE_COUNTERS.pop()
+        _ACTIVE.stack.pop()
 
 
 _COUNTER_MEANS = {

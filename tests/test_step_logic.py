@@ -304,3 +304,33 @@ def test_a_target_network_written_in_a_manual_step_gets_the_written_weights():
     trainer.fit(ManualTargetSync(), batches)
     assert_params(trainer, hand_loop(batches[:3], [1.0] * 3), prefix="target")
     assert_params(trainer, hand_loop(batches, [1.0] * 4), prefix="net")
+
+
+class ReadFromAnotherThread(Gated):
+    """While its step is traced, another thread reads the trainer's counters (as a watcher or a test's helper
+    thread does): that thread must get Python ints, never the tracing thread's tracers."""
+
+    def training_step(self, batch, batch_idx):
+        import threading
+
+        seen = {}
+
+        def read() -> None:
+            seen["step"], seen["epoch"] = self.trainer.global_step, self.trainer.current_epoch
+            seen["module"] = self.global_step
+
+        t = threading.Thread(target=read)
+        t.start()
+        t.join()
+        self.seen_by_thread = seen
+        return super().training_step(batch, batch_idx)
+
+
+def test_another_thread_reading_the_counters_during_a_trace_gets_python_ints():
+    """Before: the traced counters were global, so a watcher thread reading trainer.global_step during a trace
+    got a tracer (JAX's UnexpectedTracerError in test_adversary_loop's signal thread)."""
+    m = ReadFromAnotherThread()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HostSideEffectWarning)  # the recorded dict is a host change, on purpose
+        jl.Trainer(devices=1, max_steps=2, **quiet()).fit(m, train_dataloaders=data(2))
+    assert {k: type(v) for k, v in m.seen_by_thread.items()} == {"step": int, "epoch": int, "module": int}
