@@ -1,4 +1,4 @@
-"""PyTorch weights into flax NNX models: ``load_torch_weights``.
+"""PyTorch weights into flax NNX models and back: ``load_torch_weights``, ``export_torch_weights``.
 
 A torch ``state_dict`` names tensors by module path (``encoder.0.weight``) and
 stores them in torch's layouts; an NNX model names variables by attribute path
@@ -14,6 +14,7 @@ Rules (torch key relative to the module -> NNX variable):
 NNX module (torch module)                 torch key -> NNX variable       layout
 ========================================  ==============================  ==========================
 ``nnx.Linear`` (``nn.Linear``)            weight -> kernel, bias          (out, in) -> (in, out)
+``Conv1D`` (transformers' ``Conv1D``)     weight -> kernel, bias          same: (in, out)
 ``nnx.Conv`` (``nn.Conv1d/2d/3d``)        weight -> kernel, bias          (O, I/g, *k) -> (*k, I/g, O)
 ``nnx.ConvTranspose``                     weight -> kernel, bias          (I, O, *k) -> (*k, I, O)
 (``nn.ConvTranspose1d/2d/3d``,                                            flipped in space;
@@ -38,6 +39,10 @@ Path components map one to one (``blocks/0`` <-> ``blocks.0``), except that
 ``nnx.Sequential``'s ``layers`` component is dropped (``seq/layers/2`` <->
 ``seq.2``), as torch's ``nn.Sequential`` numbers its children directly. RNG
 state, caches and intermediates are never loaded.
+
+``export_torch_weights`` is the inverse: the same keys and rules, each layout converted back, written
+as a ``.safetensors`` file (with a ``config.json`` beside it when given) that torch or ``transformers``
+loads.
 """
 
 from __future__ import annotations
@@ -46,33 +51,21 @@ import difflib
 import json
 import math
 import os
-import re
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import ml_dtypes  # also registers bfloat16 & co. with numpy, so safetensors can return them
 import numpy as np
 from flax import nnx
 
 from jaxlight.integrations import require
 from jaxlight.migrate_settings import conv_transpose_padding as conv_transpose_padding  # public here too
 from jaxlight.migrate_settings import torch_twin_name, warn_setting_differences
+from jaxlight.migrate_sources import TorchWeightsError as TorchWeightsError  # public here, as before
+from jaxlight.migrate_sources import _open_source, _Source
 
 Mapping_ = Mapping[str, str | None] | Callable[[str], str | None]
-
-
-class TorchWeightsError(ValueError):
-    """The source does not fit the model. ``missing``, ``unexpected`` and ``mismatched`` list every
-    problem found (torch-style keys); nothing was loaded."""
-
-    def __init__(
-        self, message: str, missing: list[str] = (), unexpected: list[str] = (), mismatched: list[str] = ()
-    ) -> None:
-        super().__init__(message)
-        self.missing = list(missing)
-        self.unexpected = list(unexpected)
-        self.mismatched = list(mismatched)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -80,6 +73,18 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+class Conv1D(nnx.Linear):
+    """An ``nnx.Linear`` whose torch twin stores its weight as ``(in, out)``: transformers' ``Conv1D``.
+
+    GPT-2 (and GPT, CTRL ...) in ``transformers`` compute their projections (``c_attn``, ``c_proj``,
+    ``c_fc``) with ``Conv1D``, ``x @ weight + bias`` with ``weight`` of shape ``(in, out)``: not
+    transposed like ``nn.Linear``'s. Build those layers of the NNX twin with this class (same arguments
+    and computation as ``nnx.Linear``) and ``load_torch_weights`` / ``export_torch_weights`` keep the
+    weight's layout instead of transposing it. The layout is declared by the layer's type, as for every
+    other rule, so loading and exporting need no extra argument.
+    """
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -161,6 +166,114 @@ def torch_names(model: Any) -> dict[str, str]:
     for t in targets:
         out.setdefault(t.key, []).append(t.path)
     return {k: ", ".join(v) for k, v in out.items()}
+
+
+def export_torch_weights(
+    model: Any,
+    path: str | os.PathLike | None = None,
+    *,
+    mapping: Mapping_ | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """The torch ``state_dict`` of ``model`` (numpy arrays), optionally written as safetensors: the inverse
+    of ``load_torch_weights``.
+
+    Every variable ``load_torch_weights`` would load is written under the same torch key, its layout
+    converted back by the same rule (``nnx.Linear`` kernels transposed to ``(out, in)``, conv kernels to
+    ``(O, I, *k)``, ``nn.MultiheadAttention``'s projections packed again into ``in_proj_weight``, ...), in
+    the variable's dtype. Loading the result back, or exporting what was loaded, is bit-exact. RNG state,
+    caches and intermediates are not weights and are not written; neither are torch's buffers that the
+    model does not hold (a torch module's non-persistent buffers, or ``num_batches_tracked``, which torch
+    fills in itself). Tied weights are written once, under the key the model holds them by (a GPT-2 twin
+    that reuses ``wte`` for its head writes ``transformer.wte.weight`` and ``transformers`` re-ties
+    ``lm_head.weight``).
+
+    ``mapping`` renames the model's torch-style keys (``torch_names(model)``) to the written ones, in
+    ``load_torch_weights``' forms: a dict of exact keys or whole-component prefixes (``{"net": ""}`` strips
+    a ``LightningModule`` attribute's name, None drops a key), or a callable returning the new name or None.
+
+    ``path``: None returns the state dict only; a ``*.safetensors`` file name writes that file; any other
+    path is a directory (created if needed) that receives ``model.safetensors``, the layout
+    ``transformers``' ``from_pretrained(dir)`` reads. ``config``: a dict, a ``config.json`` file or a
+    directory holding one (the checkpoint the weights came from), written as ``config.json`` next to the
+    weights. ``metadata``: the safetensors header's metadata; by default ``{"format": "pt"}``, which
+    ``transformers`` requires.
+
+    Sharded variables are gathered one at a time (across processes too); in a multi-process run every
+    process returns the state dict and only process 0 writes files. The returned dict holds the whole
+    state dict on the host, as the safetensors file is written from it.
+    """
+    targets, _ = _plan(_roots(model), set())
+    by_key: dict[str, list[_Target]] = {}
+    for t in targets:
+        by_key.setdefault(t.key, []).append(t)
+    renamed = _rename(by_key, mapping)  # {written key: model key}
+    out: dict[str, np.ndarray] = {}
+    for new, key in renamed.items():
+        out[new] = _unconvert(by_key[key])
+    if path is not None:
+        _write_safetensors(out, os.fspath(path), config, {"format": "pt"} if metadata is None else metadata)
+    return out
+
+
+def _unconvert(group: list[_Target]) -> np.ndarray:
+    """One torch tensor from the variable(s) its key feeds: each variable's conversion undone."""
+    values = []
+    for t in group:
+        v = t.var.get_value()
+        if not _is_concrete(v):
+            raise TypeError(
+                f"cannot export {t.path}: it holds no data ({type(v).__name__}); export a concrete model, "
+                f"outside jit/eval_shape"
+            )
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:  # sharded across processes
+            from jax.experimental import multihost_utils
+
+            v = multihost_utils.process_allgather(v, tiled=True)
+        values.append(np.asarray(jax.device_get(v)))
+    if len(group) == 1 and group[0].convert in (_same, _transpose):  # the common cases, without an index map
+        # a writable copy: device_get's arrays are read-only views, which torch.from_numpy warns about
+        return np.array(values[0] if group[0].convert is _same else values[0].T, order="C")
+    # Every other rule only moves, slices and reshapes elements: running it on the source positions gives,
+    # for each variable element, where it came from, so writing back needs no inverse per rule.
+    shape = group[0].expect
+    dest = np.zeros(shape, np.result_type(*values))
+    filled = np.zeros(shape, bool)
+    for t, value in zip(group, values):
+        where = t.convert(np.arange(math.prod(shape)).reshape(shape))
+        np.put(dest, where, value)
+        np.put(filled, where, True)
+    if not filled.all():
+        raise ValueError(f"cannot export {group[0].key}: the model's variables fill only part of it")
+    return dest
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], path: str, config: Any, metadata: Mapping[str, str]) -> None:
+    if jax.process_index() != 0:
+        return
+    require("safetensors", f"writing {path}")
+    from safetensors.numpy import save_file
+
+    if path.endswith(".safetensors"):
+        directory, file = os.path.dirname(path) or ".", path
+    else:
+        directory, file = path, os.path.join(path, "model.safetensors")
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, file, metadata=dict(metadata))
+    if config is None:
+        return
+    target = os.path.join(directory, "config.json")
+    if isinstance(config, Mapping):
+        with open(target, "w") as f:
+            json.dump(dict(config), f, indent=2)
+            f.write("\n")
+        return
+    source = os.fspath(config)
+    if os.path.isdir(source):
+        source = os.path.join(source, "config.json")
+    if os.path.abspath(source) != os.path.abspath(target):  # copied as is: the original's exact text
+        shutil.copyfile(source, target)
 
 
 # ----------------------------------------------------------------------------------------- planning
@@ -269,6 +382,8 @@ def _module_targets(mod, mpath, torch_key, nnx_path, available, ignored) -> list
         return [_Target(nnx_path(mpath + (name,)), v, key, tuple(expect(shape(v))), convert, mod, rule)]
 
     ident = (lambda s: s), _same
+    if isinstance(mod, Conv1D):  # before nnx.Linear, its base class
+        return t("kernel", "weight", *ident, "Conv1D: weight (in, out) as is") + t("bias", "bias", *ident, "Conv1D")
     if isinstance(mod, nnx.Linear):
         return t("kernel", "weight", lambda s: s[::-1], _transpose, "Linear: weight.T") + t(
             "bias", "bias", *ident, "Linear"
@@ -590,224 +705,6 @@ def _place(full: np.ndarray, current: Any) -> jax.Array:
         return cache[key]
 
     return jax.make_array_from_callback(shape, sharding, slice_for)
-
-
-# ----------------------------------------------------------------------------------------- sources
-class _Source:
-    """Keys, shapes (without reading data) and one tensor at a time as numpy."""
-
-    torch_module: Any = None
-
-    def names(self) -> list[str]:
-        raise NotImplementedError
-
-    def shape(self, key: str) -> tuple[int, ...] | None:
-        raise NotImplementedError
-
-    def read(self, key: str) -> np.ndarray:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _MappingSource(_Source):
-    def __init__(self, d: Mapping[str, Any], origin: str = "the state_dict") -> None:
-        bad = [k for k in d if not isinstance(k, str)]
-        if bad:
-            raise TorchWeightsError(f"{origin} has non-string keys: {bad[:5]}")
-        self.d, self.origin = d, origin
-
-    def names(self) -> list[str]:
-        return list(self.d)
-
-    def shape(self, key: str) -> tuple[int, ...] | None:
-        v = self.d[key]
-        return tuple(v.shape) if hasattr(v, "shape") and hasattr(v, "dtype") else None
-
-    def read(self, key: str) -> np.ndarray:
-        return _to_numpy(self.d[key], f"{key!r} of {self.origin}")
-
-
-def _to_numpy(v: Any, what: str) -> np.ndarray:
-    if type(v).__module__.startswith("torch"):
-        import torch
-
-        if isinstance(v, torch.Tensor):
-            t = v.detach()
-            if t.is_meta:
-                raise TorchWeightsError(f"{what} is a meta tensor: it has no data to load")
-            if t.device.type != "cpu":
-                t = t.cpu()
-            if t.dtype == torch.bfloat16:
-                return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-            try:
-                return t.numpy()
-            except TypeError:  # dtypes numpy lacks (float8, ...): go through float32
-                return t.float().numpy()
-    return np.asarray(v)
-
-
-class _SafetensorsSource(_Source):
-    def __init__(self, path: str) -> None:
-        require("safetensors", f"reading {path}")
-        from safetensors import safe_open
-
-        self.path = path
-        try:
-            self._cm = safe_open(path, framework="numpy")
-            self.f = self._cm.__enter__()
-            self._keys = list(self.f.keys())
-        except Exception as e:
-            raise TorchWeightsError(f"cannot read safetensors file {path}: {e}") from e
-
-    def names(self) -> list[str]:
-        return self._keys
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.f.get_slice(key).get_shape())
-
-    def read(self, key: str) -> np.ndarray:
-        try:
-            return self.f.get_tensor(key)
-        except Exception as e:
-            raise TorchWeightsError(f"cannot read tensor {key!r} from {self.path}: {e}") from e
-
-    def close(self) -> None:
-        self._cm.__exit__(None, None, None)
-
-
-def _torch_file(path: str) -> _MappingSource:
-    import pickle
-
-    from jaxlight.integrations import require
-
-    require("torch", f"reading the torch file {path}")
-    import torch
-
-    try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e) and "zipfile" not in str(e):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
-    except pickle.UnpicklingError as e:
-        text = str(e)
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        if found is None:
-            detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-            raise TorchWeightsError(
-                f"cannot read torch file {path}: not a torch.save file of tensors"
-                + (f" ({detail.group(1).strip()})" if detail else f" ({text.splitlines()[0]})")
-            ) from e
-        raise TorchWeightsError(
-            f"{path} holds Python objects besides tensors ({found.group(1)}), and jaxlight never unpickles "
-            f"files (torch.load(weights_only=True)); save only the weights: torch.save(model.state_dict(), path)"
-        ) from e
-    except Exception as e:
-        raise TorchWeightsError(f"cannot read torch file {path}: {type(e).__name__}: {e}") from e
-    return _MappingSource(_state_dict_of(obj, path), path)
-
-
-def _state_dict_of(obj: Any, origin: str) -> Mapping[str, Any]:
-    """The tensors of a loaded file: a plain state_dict, or one nested under a usual key."""
-
-    def is_tensors(d: Any) -> bool:
-        return isinstance(d, Mapping) and all(hasattr(v, "shape") for v in d.values())
-
-    if is_tensors(obj):
-        return obj
-    if isinstance(obj, Mapping):
-        for k in ("state_dict", "model", "module", "model_state_dict"):
-            if is_tensors(obj.get(k)):
-                return obj[k]
-        kinds = {k: type(v).__name__ for k, v in list(obj.items())[:10]}
-        raise TorchWeightsError(
-            f"{origin} is a dict but not a state_dict (top-level entries: {kinds}); pass the state_dict "
-            f"itself, e.g. load_torch_weights(model, torch.load(path, weights_only=True)['<key>'])"
-        )
-    raise TorchWeightsError(f"{origin} holds a {type(obj).__name__}, not a state_dict")
-
-
-class _IndexSource(_Source):
-    """A sharded checkpoint: ``{"weight_map": {key: file}}`` next to its files, opened lazily."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            self.weight_map: dict[str, str] = dict(data["weight_map"])
-        except Exception as e:
-            raise TorchWeightsError(f"cannot read checkpoint index {path}: {type(e).__name__}: {e}") from e
-        self.dir = os.path.dirname(os.path.abspath(path))
-        self._open: dict[str, _Source] = {}
-
-    def _file(self, key: str) -> _Source:
-        name = self.weight_map[key]
-        if name not in self._open:
-            self._open[name] = _file_source(os.path.join(self.dir, name))
-        return self._open[name]
-
-    def names(self) -> list[str]:
-        return sorted(self.weight_map, key=lambda k: (self.weight_map[k], k))  # file by file
-
-    def shape(self, key: str) -> tuple[int, ...] | None:
-        return self._file(key).shape(key)
-
-    def read(self, key: str) -> np.ndarray:
-        return self._file(key).read(key)
-
-    def close(self) -> None:
-        for s in self._open.values():
-            s.close()
-
-
-_DIR_CANDIDATES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def _file_source(path: str) -> _Source:
-    if os.path.isdir(path):
-        for name in _DIR_CANDIDATES:
-            if os.path.exists(os.path.join(path, name)):
-                return _file_source(os.path.join(path, name))
-        raise TorchWeightsError(f"directory {path} holds none of {list(_DIR_CANDIDATES)}")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no such weights file: {path}")
-    if path.endswith(".safetensors"):
-        return _SafetensorsSource(path)
-    if path.endswith(".json"):
-        return _IndexSource(path)
-    if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        return _torch_file(path)
-    raise TorchWeightsError(
-        f"{path}: unknown weights format; expected .safetensors, .pt, .pth, .bin, .ckpt, an *.index.json or a directory"
-    )
-
-
-def _open_source(source: Any) -> _Source:
-    if isinstance(source, (str, os.PathLike)):
-        return _file_source(os.fspath(source))
-    if type(source).__module__.startswith("torch") or hasattr(source, "state_dict"):
-        try:
-            import torch
-        except ImportError:  # pragma: no cover - no torch, so it cannot be a torch module
-            torch = None
-        if torch is not None and isinstance(source, torch.nn.Module):
-            src = _MappingSource(source.state_dict(), f"{type(source).__name__}.state_dict()")
-            src.torch_module = source
-            return src
-    if isinstance(source, Mapping):
-        return _MappingSource(source)
-    raise TypeError(
-        f"source must be a state_dict, a torch.nn.Module or a path to a weights file, got {type(source).__name__}"
-    )
 
 
 # ----------------------------------------------------------------------------------------- torch module checks
