@@ -45,12 +45,12 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
 
-from jaxlight import compat
+from jaxlight import compat, distributed
 
 FAILED_KEY = "jaxlight/rank_failure/"  # + rank: the failure's JSON
 LEAVING_KEY = "jaxlight/rank_leaving/"  # + rank: this process is about to exit after a failure
@@ -93,6 +93,17 @@ def on_every_process(exc: BaseException) -> BaseException:
     with contextlib.suppress(AttributeError, TypeError):
         setattr(exc, _EVERY_PROCESS, True)
     return exc
+
+
+def raise_together(error: BaseException | None, others: Callable[[list[int]], BaseException]) -> None:
+    """Agree on a failure before a collective step: when any process has an ``error``, every process raises,
+    that ``error`` where it happened and ``others(failed ranks)`` on the rest, so none is left waiting in a
+    later collective; returns when no process failed."""
+    failed = distributed.processes_where(error is not None)
+    if error is not None:
+        raise on_every_process(error)
+    if failed:
+        raise on_every_process(others(failed))
 
 
 def _multiprocess() -> bool:

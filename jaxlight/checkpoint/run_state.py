@@ -197,13 +197,12 @@ def prepare(
     except Exception as e:
         error = e
     # Multi-process saves: if any process failed to build its part, all of them raise (none waits in orbax).
-    failed = distributed.processes_where(error is not None)
-    if error is not None:
-        raise rank_failure.on_every_process(error)
-    if failed:
-        raise rank_failure.on_every_process(
-            CheckpointError(f"cannot save the checkpoint: process(es) {failed} failed to build their part of it")
-        )
+    rank_failure.raise_together(
+        error,
+        lambda failed: CheckpointError(
+            f"cannot save the checkpoint: process(es) {failed} failed to build their part of it"
+        ),
+    )
     return PreparedSave(path, groups, meta, host_arrays, text, needed)
 
 

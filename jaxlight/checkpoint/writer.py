@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxlight import distributed, rank_failure
+from jaxlight import rank_failure
 from jaxlight.checkpoint import dirlock, publish
 from jaxlight.checkpoint.discovery import next_commit_seq
 from jaxlight.checkpoint.format import disk_full_error
@@ -58,13 +58,12 @@ class CheckpointWriter:
                 self.lock = dirlock.acquire(dirpath, owner)
             except CheckpointError as e:
                 error = e
-        failed = distributed.processes_where(error is not None)
-        if error is not None:
-            raise rank_failure.on_every_process(error)
-        if failed:
-            raise rank_failure.on_every_process(
-                CheckpointError(f"checkpoint directory {dirpath} could not be taken by process 0 (its error says why)")
-            )
+        rank_failure.raise_together(
+            error,
+            lambda _: CheckpointError(
+                f"checkpoint directory {dirpath} could not be taken by process 0 (its error says why)"
+            ),
+        )
 
     def release(self) -> None:
         """Give the directory lock back (if held)."""

@@ -15,6 +15,7 @@ and the rank-0 printing then behave as for any other jaxlight warning.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import warnings
@@ -50,6 +51,16 @@ class Call:
 
 
 _local = threading.local()  # .outbox: the outbox whose logger is being called on this thread
+
+
+def path_identity(path: str) -> tuple[int, int] | None:
+    """``path``'s (device, inode), or None when it does not exist: a logger compares it with the one it
+    opened to tell its directory or store deleted or replaced mid-run (one ``stat``)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def logger_notice(message: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight.integrations import require
-from jaxlight.loggers.delivery import logger_notice
+from jaxlight.loggers.delivery import logger_notice, path_identity
 from jaxlight.loggers.logger import Logger, artifact_step, flatten_hparams, image_batch, safe_key, text_table
 
 _PARAM_VALUE_LIMIT = 6000  # MLflow's limit on a parameter value's length
@@ -110,12 +110,12 @@ class MLFlowLogger(Logger):
         """The ``mlflow.tracking.MlflowClient``; creates the experiment and the run on first access (and again
         when the local store was deleted)."""
         client = self._client
-        if client is not None and (self._store_path is None or _identity(self._store_path) == self._store_id):
+        if client is not None and (self._store_path is None or path_identity(self._store_path) == self._store_id):
             return client
         with self._lock:
             if self._client is None:
                 self._connect(self._tracking_uri)
-            elif _identity(self._store_path or "") != self._store_id:
+            elif path_identity(self._store_path or "") != self._store_id:
                 self._reopen()
             return self._client
 
@@ -151,7 +151,7 @@ class MLFlowLogger(Logger):
         self._run_label = run.info.run_name
         self._client = client
         if self._store_path is not None:
-            self._store_id = _identity(self._store_path)
+            self._store_id = path_identity(self._store_path)
 
     def _reopen(self) -> None:
         """The local store was deleted: create it again and go on in the old run if it is there (a store put
@@ -348,12 +348,3 @@ def _dispose(client: Any) -> None:
             engine.dispose()
     except Exception:
         pass
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """``path``'s (device, inode), or None when it does not exist."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino

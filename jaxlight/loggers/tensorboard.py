@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight.integrations import require
-from jaxlight.loggers.delivery import logger_notice
+from jaxlight.loggers.delivery import logger_notice, path_identity
 from jaxlight.loggers.logger import VersionedDirLogger, flatten_hparams, image_batch, png_bytes, safe_key, text_table
 
 _FILE_IDS = itertools.count()  # the last part of an event file's name, as tensorboard's writer numbers them
@@ -114,14 +114,14 @@ class TensorBoardLogger(VersionedDirLogger):
         if self._writer is None:
             os.makedirs(self.log_dir, exist_ok=True)
             self._writer = EventFile(self.log_dir, flush_secs=self._flush_secs)
-            self._dir_id, self._events = _identity(self.log_dir), 0
+            self._dir_id, self._events = path_identity(self.log_dir), 0
         return self._writer
 
     def _writer_alive(self) -> Any:
         """The writer, after making sure its directory is still there (an open file takes writes into a
         deleted directory without a word, and everything logged later would be lost)."""
         writer = self.experiment
-        if self._dir_id is not None and _identity(self.log_dir) != self._dir_id:
+        if self._dir_id is not None and path_identity(self.log_dir) != self._dir_id:
             writer = self._reopen()
         return writer
 
@@ -251,12 +251,3 @@ class TensorBoardLogger(VersionedDirLogger):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") is not None:
             self._version = state["version"]
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """``path``'s (device, inode), or None when it does not exist."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
