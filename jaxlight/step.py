@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlight.axis_names import AxisNames
 from jaxlight.manual import ManualContext, ManualOptimizer, manual_context
 from jaxlight.metrics import Collector
 from jaxlight.optim import AccumulationState
@@ -145,6 +146,8 @@ class StepBuilder:
         self.skip_nonfinite = skip_nonfinite
         self.manual = manual
         self.handles = list(handles)  # manual: what self.optimizers() returns while the step is traced
+        # pmap-era axis names the step methods reduce over (jaxlight/axis_names.py), found while traced
+        self.axes = AxisNames()
         body = self._manual_update if manual else self._update
         self.update = wrap_update(body) if wrap_update is not None else body
         self.log_specs: dict[str, dict] = {}
@@ -196,7 +199,8 @@ class StepBuilder:
             self.log_specs["train"] = col.specs
             return loss.astype(jnp.float32), (extras, col.values, rest, written)
 
-        (loss, (extras, logs, rest, written)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        traced = lambda params: self.axes.call(loss_fn, owner, "training_step", params)
+        (loss, (extras, logs, rest, written)), grads = jax.value_and_grad(traced, has_aux=True)(state.params)
         aux = {"loss": loss, "rest": rest, "flush": flush, "written": written}
         state, more = self.update(state, grads, aux)
         return state, {"loss": loss, **extras, **more}, logs
@@ -248,6 +252,9 @@ class StepBuilder:
 
     def _manual_update(self, state: TrainState, grads: Any, aux: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
         """``training_step`` with its own ``manual_backward`` / ``opt.step`` calls, on ``aux["batch"]``."""
+        return self.axes.call(self._manual_body, type(self.module).__name__, "training_step", state, grads, aux)
+
+    def _manual_body(self, state: TrainState, grads: Any, aux: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
         del grads
         batch, batch_idx = aux["batch"], aux["batch_idx"]
         col = Collector("train", self._rows(batch), on_step=True, on_epoch=False)
@@ -297,6 +304,11 @@ class StepBuilder:
         evaluation carries (:func:`jaxlight.state.eval_changes`), by key. ``counters``: traced int32
         ``[global_step, current_epoch]`` of the run, what the step reads as ``self.global_step`` and
         ``self.current_epoch`` (None: they read as on the host)."""
+        method = STAGES[stage].step_method
+        body = self._eval_body
+        return self.axes.call(body, type(self.module).__name__, method, stage, params, rest, batch, batch_idx, counters)
+
+    def _eval_body(self, stage: str, params: dict, rest: dict, batch: Any, batch_idx: jax.Array, counters: Any):
         prec = self.precision
         models = self._models(params, rest, train=False)
         col = Collector(stage, self._rows(batch), on_step=False, on_epoch=True)
