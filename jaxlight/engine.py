@@ -27,6 +27,7 @@ from jaxlight import rank_failure
 from jaxlight.binding import ModuleBinding
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
+from jaxlight.explicit import explicit_twin, name_missing_axis, needs_explicit, refuse_pieces, typed
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.multistep import MultiStep
 from jaxlight.nn.constrain import axis_rules
@@ -95,6 +96,9 @@ class Engine:
         self.train_steps: dict[Any, Any] = {}  # compiled train steps by batch signature (a ragged batch: its own)
         # steps_per_execution > 1: the compiled multi-step programs by (steps, batch signature)
         self.multi_steps: dict[tuple[int, Any], Any] = {}
+        # the module's steps name mesh axes in out_sharding=/reshard: traced under the mesh's
+        # Explicit twin (jaxlight/explicit.py), set by the first trace that needs it
+        self.explicit = False
 
     # -- context ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -105,7 +109,7 @@ class Engine:
         (a global mesh left set would place every later computation of the process on it).
         """
         with contextlib.ExitStack() as stack:
-            stack.enter_context(jax.set_mesh(self.mesh))
+            stack.enter_context(jax.set_mesh(explicit_twin(self.mesh) if self.explicit else self.mesh))
             # Not flax's nnx.logical_axis_rules: flax reads a rules table as a rename
             # (one mesh axis per name, no divisibility fallback, duplicates refused),
             # so placement goes through jaxlight.strategies.resolve_spec only.
@@ -126,6 +130,7 @@ class Engine:
             self.eval_steps = {}
             self.train_steps = {}
             self.multi_steps = {}
+            self.explicit = False
         self.binding.reset(synced=self.module is not None and self.module is not module)
         self.module = module
 
@@ -412,6 +417,32 @@ class Engine:
         return compiled, state
 
     # -- compile ------------------------------------------------------------------------------
+    def _traced(self, trace: Callable[[Callable[[Any], Any]], Any]) -> Any:
+        """``trace(typed)`` under :meth:`context`: ``typed`` maps the arguments to what the step is traced
+        with. A step refused for naming Auto axes in ``out_sharding=``/``reshard`` switches this module to
+        the explicit trace (the mesh's Explicit twin, arguments typed by their shardings) and runs again."""
+        if not self.explicit:
+            try:
+                with self.context():
+                    return trace(lambda tree: tree)
+            except ValueError as e:
+                if not needs_explicit(e):
+                    named_err = name_missing_axis(e, self.mesh)
+                    if named_err is e:
+                        raise
+                    raise named_err from e
+                refuse_pieces(self.strategy, e)
+                self.explicit = True
+        twin = explicit_twin(self.mesh)
+        try:
+            with self.context():
+                return trace(lambda tree: typed(tree, self.mesh, twin))
+        except ValueError as e:
+            named_err = name_missing_axis(e, self.mesh)
+            if named_err is e:
+                raise
+            raise named_err from e
+
     def compile_eval(
         self,
         stage: str,
@@ -451,10 +482,8 @@ class Engine:
                 return b.eval_step_carrying(stage, params, rest, batch, batch_idx, counters)
 
         eval_step.__name__ = f"{stage}_step"
-        with self.context():
-            compiled = _CarryingEvalStep(
-                jax.jit(eval_step).lower(params, rest, batch, batch_idx, valid, counters).compile(), self
-            )
+        args = (params, rest, batch, batch_idx, valid, counters)
+        compiled = _CarryingEvalStep(self._traced(lambda ty: jax.jit(eval_step).lower(*ty(args)).compile()), self)
         self.compile_counts[stage] += 1
         self.compiled[key] = compiled
         self.eval_steps[(key, _signature(batch))] = compiled
@@ -471,11 +500,14 @@ class Engine:
         b = self.builder
         assert b is not None
         self._check_batch("train", batch)
-        with self.context():
+
+        def trace(ty: Callable[[Any], Any]) -> _AdoptingTrainStep:
             fn = jax.jit(b.train_step, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
-                traced = fn.trace(state, batch, batch_idx, flush, epoch)
-                compiled = _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, 1)
+                traced = fn.trace(*ty((state, batch, batch_idx, flush, epoch)))
+                return _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, 1)
+
+        compiled = self._traced(trace)
         self.compile_counts["train"] += 1
         self.train_steps[_signature(batch)] = compiled
         self.compiled.setdefault("train", compiled)
@@ -497,12 +529,15 @@ class Engine:
         assert b is not None
         self._check_batch("train", batches[0])
         program = MultiStep(b.train_step, self.state_shardings)
-        with self.context():
+
+        def trace(ty: Callable[[Any], Any]) -> _AdoptingTrainStep:
             fn = jax.jit(program, donate_argnums=0, out_shardings=(self.state_shardings, None, None))
             with lightning_step_call(b.module, "training_step"):
                 # host hooks' writes (metrics.reset() at epoch end) reach the execution, as a single step's
-                traced = fn.trace(state, tuple(batches), batch_idx, flush, epoch)
-                compiled = _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, len(batches))
+                traced = fn.trace(*ty((state, tuple(batches), batch_idx, flush, epoch)))
+                return _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, len(batches))
+
+        compiled = self._traced(trace)
         self.compile_counts["train"] += 1
         self.multi_steps[(len(batches), _signature(batches[0]))] = compiled
         if full or "train" not in self.compiled:
