@@ -321,6 +321,7 @@ def run_tutorial(framework: str, root: str, init: str) -> dict[str, Any]:
         LitResnet, fw = _tutorial_lightning()
         import torch
 
+        torch.manual_seed(0)  # the harness: initial weights that do not depend on what ran before in this process
         model = LitResnet(lr=LR)
         torch.save(model.state_dict(), init)  # the initial weights, for the port
         extra: dict[str, Any] = {"accelerator": "cpu"}
