@@ -120,16 +120,21 @@ def _conv_transpose_differences(m: nnx.ConvTranspose, tm: Any) -> list[str]:
             out.append(f"NNX ConvTranspose padding {fp!r} has no torch equivalent; use padding={want}")
             return out
         nnx_pairs = tuple(_lax_transpose_pairs(d * (k - 1) + 1, s, up) for k, s, d in zip(m.kernel_size, strides, dil))
-    elif isinstance(fp, int):
-        nnx_pairs = ((fp, fp),) * n
     else:
-        nnx_pairs = tuple((p, p) if isinstance(p, int) else tuple(p) for p in fp)
+        nnx_pairs = _explicit_pairs(fp, n)
     if nnx_pairs != want:
         out.append(
             f"conv transpose padding: torch padding={tm.padding}, output_padding={tm.output_padding} is NNX "
             f"padding={want} (jaxlight.migrate.conv_transpose_padding), NNX {m.padding!r} pads {nnx_pairs}"
         )
     return out
+
+
+def _explicit_pairs(padding: Any, n: int) -> tuple[tuple[int, int], ...]:
+    """NNX's explicit padding (an int, or per-dimension ints or pairs) as ``n`` (low, high) pairs."""
+    if isinstance(padding, int):
+        return ((padding, padding),) * n
+    return tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
 
 
 def _lax_transpose_pairs(k: int, s: int, padding: str) -> tuple[int, int]:
@@ -181,10 +186,8 @@ def _conv_differences(m: nnx.Conv, tm: Any) -> list[str]:
             nnx_pairs = same_pairs()
         else:
             return out  # stride-dependent or non-zero padding: not compared
-    elif isinstance(fp, int):
-        nnx_pairs = ((fp, fp),) * n
     else:
-        nnx_pairs = tuple((p, p) if isinstance(p, int) else tuple(p) for p in fp)
+        nnx_pairs = _explicit_pairs(fp, n)
     if nnx_pairs != torch_pairs:
         out.append(
             f"conv padding: torch {tm.padding!r} pads {torch_pairs}, NNX {m.padding!r} pads {nnx_pairs} "
