@@ -9,6 +9,7 @@ what a torch ``nn.ConvTranspose*d`` computes.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -96,13 +97,17 @@ def _differences(m: nnx.Module, tm: Any) -> list[str]:
     return out
 
 
+def _per_dim(v: Any, n: int) -> tuple[int, ...]:
+    """A stride/dilation as flax or torch gives it (None, an int, or one per dimension) as ``n`` ints."""
+    if v is None:
+        return (1,) * n
+    return tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * n
+
+
 def _conv_transpose_differences(m: nnx.ConvTranspose, tm: Any) -> list[str]:
     n = len(m.kernel_size)
 
-    def tup(v: Any) -> tuple[int, ...]:
-        if v is None:
-            return (1,) * n
-        return tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * n
+    tup = functools.partial(_per_dim, n=n)
 
     out = []
     strides, dil = tup(m.strides), tup(m.kernel_dilation)
@@ -151,10 +156,7 @@ def _lax_transpose_pairs(k: int, s: int, padding: str) -> tuple[int, int]:
 def _conv_differences(m: nnx.Conv, tm: Any) -> list[str]:
     n = len(m.kernel_size)
 
-    def tup(v: Any) -> tuple[int, ...]:
-        if v is None:
-            return (1,) * n
-        return tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * n
+    tup = functools.partial(_per_dim, n=n)
 
     out = []
     if tup(m.strides) != tup(tm.stride):
