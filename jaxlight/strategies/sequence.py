@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "ulysses", "allgather", "ring")
 AXIS = "sequence"
 
-__all__ = ["MODES", "SequenceParallel", "attention_plan"]
+__all__ = ["MODES", "SequenceParallel", "attention_plan", "in_manual_sequence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +263,13 @@ class _SequenceAttention:
         self.load_balance = load_balance
         self.calls: list[tuple[str, str, bool, tuple, tuple]] = []
 
+    axis: ClassVar[str] = AXIS
+    """The mesh axis this exchange runs over: a pipeline stage that is already manual over it calls
+    :meth:`__call__` there, and the exchange runs its collectives in place (:func:`in_manual_sequence`)."""
+
     def __call__(self, q, k, v, *, causal: bool, mask, scale: float):
+        if in_manual_sequence():
+            return _attend_in_place(self, q, k, v, causal=causal, mask=mask, scale=scale)
         shape = dict(self.mesh.shape)
         exchange, why = attention_plan(self.mode, self.load_balance, q.shape, k.shape, causal=causal, mesh_shape=shape)
         self.calls.append((exchange, why, causal, tuple(q.shape), tuple(k.shape)))
@@ -304,6 +310,38 @@ class _SequenceAttention:
             f"SequenceParallel(mode={self.mode!r}) on sequence={shape[AXIS]}, tensor={shape.get('tensor', 1)}: "
             f"{len(self.calls)} attention call(s): " + "; ".join(parts)
         )
+
+
+def in_manual_sequence() -> bool:
+    """Whether the code traced now runs inside a ``shard_map`` already manual over ``sequence`` (a pipeline
+    stage under ``"pp+sp"``): arrays there hold this device's positions only."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return not ctx.empty and AXIS in ctx.manual_axes
+
+
+def _attend_in_place(sp: _SequenceAttention, q, k, v, *, causal: bool, mask, scale: float):
+    """One attention call where ``q``/``k``/``v`` are already this device's positions (manual over
+    ``sequence``): the exchange's collectives run here, without a shard_map of their own."""
+    shape = dict(sp.mesh.shape)
+    n, tp = shape[AXIS], shape.get("tensor", 1)
+    if mask is not None and (mask.shape[2] > 1 or mask.shape[3] > 1):
+        # a mask built inside the stage from local arrays has local rows/columns, one from outside global
+        # ones: neither can be told apart by shape, so only masks without length dims are taken
+        raise ValueError(
+            f'sequence-parallel attention inside a pipeline stage ("pp+sp") takes masks without length '
+            f"dims ([batch|1, heads|1, 1, 1]); got mask {tuple(mask.shape)} for local queries {tuple(q.shape)}. "
+            "Use causal=True, or run the model without the pipeline"
+        )
+    q_global = (q.shape[0], q.shape[1] * n, *q.shape[2:])
+    kv_global = (k.shape[0], k.shape[1] * n, *k.shape[2:])
+    exchange, why = attention_plan(sp.mode, sp.load_balance, q_global, kv_global, causal=causal, mesh_shape=shape)
+    sp.calls.append((exchange, why, causal, q_global, kv_global))
+    lb = sp.load_balance and causal
+    if exchange == "ulysses":
+        return _ulysses(q, k, v, mask, n=n, tp=tp, causal=causal, scale=scale)
+    if exchange == "allgather":
+        return _allgather(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb, gather=True)
+    return _ring(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb)
 
 
 _LAST: list[list[tuple[str, str, bool, tuple, tuple]]] = [[]]
