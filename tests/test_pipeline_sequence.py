@@ -22,7 +22,7 @@ from flax import nnx
 
 import jaxlight as jl
 from examples.models import Block, CausalTransformer, GPTConfig, random_windows, stdlib_bytes
-from jaxlight.strategies import Layout, SequenceParallel
+from jaxlight.strategies import Layout, SequenceParallel, resolve_strategy
 from jaxlight.strategies.attention_kernel import attention_context
 from jaxlight.strategies.pipeline import SCHEDULES, PipelineConfig, PipelineParallel, run_pipeline
 from jaxlight.strategies.pipeline_sequence import position_mixing
@@ -51,6 +51,10 @@ class SeqLM(jl.LightningModule):
         loss = optax.softmax_cross_entropy_with_integer_labels(self.net(x), y).mean()
         self.log("train_loss", loss)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", optax.softmax_cross_entropy_with_integer_labels(self.net(x), y).mean())
 
     def configure_optimizers(self):
         return optax.sgd(0.3, momentum=0.9)
@@ -134,6 +138,19 @@ def test_pp_sp_trains_like_one_device(single, schedule, mode):
     handed = [s for op, s, g in ops if op == "collective-permute" and crosses_stage(g, trainer.mesh)]
     assert handed and all(s.startswith(local) for s in handed), (local, handed)
     assert f"f32[{rows},{SEQ},{CFG.d_model}]" not in " ".join(handed)
+
+    if (schedule, mode) == ("gpipe", "ulysses"):  # the eval step is pipelined and split the same way
+        val = _batches(1)
+        with contextlib.redirect_stdout(io.StringIO()):
+            got_val = trainer.validate(trainer.lightning_module, val)[0]["val_loss"]
+            ref_val = ref_t.validate(ref_t.lightning_module, val)[0]["val_loss"]
+        assert "validate" in trainer.compiled and abs(got_val - ref_val) <= TOL
+
+
+def test_the_string_pp_sp():
+    s = resolve_strategy("pp+sp")
+    assert {k: v for k, v in s.mesh_shape(8).items() if v > 1} == {"stage": 2, "sequence": 2, "data": 2}
+    assert s.find(PipelineParallel) is not None and s.find(SequenceParallel).mode == "auto"
 
 
 def test_a_sequence_axis_without_the_sequence_piece_stays_with_gspmd(single):
