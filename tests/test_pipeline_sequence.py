@@ -22,7 +22,7 @@ from flax import nnx
 
 import jaxlight as jl
 from examples.models import Block, CausalTransformer, GPTConfig, random_windows, stdlib_bytes
-from jaxlight.strategies import Layout, SequenceParallel, resolve_strategy
+from jaxlight.strategies import Layout, SequenceParallel, TensorParallel, resolve_strategy
 from jaxlight.strategies.attention_kernel import attention_context
 from jaxlight.strategies.pipeline import SCHEDULES, PipelineConfig, PipelineParallel, run_pipeline
 from jaxlight.strategies.pipeline_sequence import position_mixing
@@ -153,6 +153,21 @@ def test_the_string_pp_sp():
     assert s.find(PipelineParallel) is not None and s.find(SequenceParallel).mode == "auto"
 
 
+def test_pp_sp_composes_with_tensor_parallel(single):
+    """Ulysses inside a stage with heads split over tensor by GSPMD: stage 2 x sequence 2 x tensor 2."""
+    strategy = _pipeline("gpipe") + SequenceParallel(2, mode="ulysses") + TensorParallel(2, min_shard=1024)
+    trainer, losses, _ = _fit(strategy, 8)
+    assert {a: trainer.mesh.shape[a] for a in ("stage", "sequence", "tensor")} == {
+        "stage": 2,
+        "sequence": 2,
+        "tensor": 2,
+    }
+    assert "tensor" in tuple(trainer.train_state.params["net/blocks/layers/attn/wq"].sharding.spec)
+    np.testing.assert_allclose(losses, single[1], atol=TOL, rtol=0)
+    ref, got = host_params(single[0]), host_params(trainer)
+    assert max(float(np.abs(ref[k] - got[k]).max()) for k in ref) <= TOL
+
+
 def test_a_sequence_axis_without_the_sequence_piece_stays_with_gspmd(single):
     """No sequence-parallel attention installed: the stage is manual over stage only, GSPMD splits positions."""
     trainer, losses, _ = _fit(_pipeline("gpipe") + Layout(axes={"sequence": 2}), 8)
@@ -238,3 +253,16 @@ def test_masks_with_length_dims_are_refused_inside_a_stage():
         jax.eval_shape(f, q, jnp.ones((2, 1, 1, 32), bool))
     out = jax.eval_shape(f, q, jnp.ones((2, 1, 1, 1), bool))  # a per-row mask without length dims runs
     assert out.shape == q.shape
+
+    def cross(q, kv):  # keys/values given whole to every sequence device
+        return sp(q, kv, kv, causal=False, mask=None, scale=1.0)
+
+    g = jax.shard_map(
+        cross,
+        mesh=mesh,
+        in_specs=(jax.P(None, "sequence"), jax.P()),
+        out_specs=jax.P(None, "sequence"),
+        axis_names={"sequence"},
+    )
+    with pytest.raises(ValueError, match=r"but k, v are the same on every sequence device"):
+        jax.eval_shape(g, q, q)

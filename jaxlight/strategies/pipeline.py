@@ -21,6 +21,10 @@ stage's outputs of the last pass are the scan's outputs, broadcast over
 with the permutations reversed. GPipe is the case ``R = 1``; the idle
 fraction of each step is ``(S-1) / (R*M + S-1)``.
 
+Under ``"pp+sp"`` the ``shard_map`` is manual over ``sequence`` too: the
+microbatches enter split on their length and attention runs the sequence
+piece's exchange in place (:mod:`jaxlight.strategies.pipeline_sequence`).
+
 Layer order: pass ``r`` on stage ``s`` applies layer chunk ``r*S + s`` (of
 ``L / (S*R)`` layers). Parameters stay in natural layer order in the train
 state, checkpoints and the user's module (stage ``s`` stores the contiguous
@@ -154,6 +158,11 @@ class PipelineParallel(Piece):
     Refused before any work: a model without a LayerStack, a stack whose depth
     ``stages x repeats`` does not divide, batch rows per data shard that
     ``microbatches`` does not divide, and fewer microbatches than stages.
+    With a :class:`~jaxlight.strategies.SequenceParallel` piece (``"pp+sp"``)
+    every stage also splits positions over ``sequence``, exactly for layers
+    that mix positions only through :func:`jaxlight.nn.attention`; what it
+    cannot split is refused when the step is traced
+    (:func:`~jaxlight.strategies.pipeline_sequence.sequence_split`).
     """
 
     name: ClassVar[str] = "pp"

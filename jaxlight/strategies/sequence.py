@@ -332,6 +332,15 @@ def _attend_in_place(sp: _SequenceAttention, q, k, v, *, causal: bool, mask, sca
             f"dims ([batch|1, heads|1, 1, 1]); got mask {tuple(mask.shape)} for local queries {tuple(q.shape)}. "
             "Use causal=True, or run the model without the pipeline"
         )
+    whole = [name for name, x in (("q", q), ("k", k), ("v", v)) if AXIS not in _varying_axes(x)]
+    if whole:
+        # e.g. keys/values from a stack argument given whole: not this device's positions, so the exchange
+        # would attend to n copies of them
+        raise ValueError(
+            f'sequence-parallel attention inside a pipeline stage ("pp+sp") needs q, k and v computed from the '
+            f"stack's split input, but {', '.join(whole)} {'is' if len(whole) == 1 else 'are'} the same on every "
+            f"{AXIS} device (from an argument given whole?); cross-attention on whole arrays is not supported there"
+        )
     q_global = (q.shape[0], q.shape[1] * n, *q.shape[2:])
     kv_global = (k.shape[0], k.shape[1] * n, *k.shape[2:])
     exchange, why = attention_plan(sp.mode, sp.load_balance, q_global, kv_global, causal=causal, mesh_shape=shape)
@@ -342,6 +351,10 @@ def _attend_in_place(sp: _SequenceAttention, q, k, v, *, causal: bool, mask, sca
     if exchange == "allgather":
         return _allgather(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb, gather=True)
     return _ring(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
 
 
 _LAST: list[list[tuple[str, str, bool, tuple, tuple]]] = [[]]
