@@ -23,7 +23,7 @@ from jaxlight.errors import Float32MatmulWarning
 from jaxlight.flops import matmul_dtypes
 from tests.helpers import Losses, quiet
 
-STEPS = 30
+STEPS = 20
 
 
 def _fit(make, data, precision: str, steps: int, callbacks=()) -> tuple[jl.Trainer, list[float]]:
