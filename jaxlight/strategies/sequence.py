@@ -38,7 +38,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.rank_zero import rank_zero_info
-from jaxlight.strategies.attention_kernel import attention_context, blockwise_attention, local_attention, make_plan
+from jaxlight.strategies.attention_backends import AttentionImplementationError, choose, run_local
+from jaxlight.strategies.attention_kernel import attention_context, blockwise_attention, make_plan
 from jaxlight.strategies.strategy import FILL, FrozenDict, Piece, check_axis_size, register_strategy
 
 log = logging.getLogger(__name__)
@@ -263,12 +264,18 @@ class _SequenceAttention:
         self.load_balance = load_balance
         self.calls: list[tuple[str, str, bool, tuple, tuple]] = []
 
-    def __call__(self, q, k, v, *, causal: bool, mask, scale: float):
+    def __call__(self, q, k, v, *, causal: bool, mask, scale: float, implementation: str | None = None):
         shape = dict(self.mesh.shape)
         exchange, why = attention_plan(self.mode, self.load_balance, q.shape, k.shape, causal=causal, mesh_shape=shape)
         self.calls.append((exchange, why, causal, tuple(q.shape), tuple(k.shape)))
         if exchange == "dense":
-            return local_attention(q, k, v, causal=causal, mask=mask, scale=scale)
+            return run_local(q, k, v, causal=causal, mask=mask, scale=scale, implementation=implementation)
+        if exchange == "ring" and implementation not in (None, "blockwise"):
+            raise AttentionImplementationError(
+                f"attention: implementation={implementation!r} cannot run the sequence-parallel ring exchange "
+                "(keys arrive block by block: only the blockwise kernel folds them); pass implementation=None "
+                "or 'blockwise', or SequenceParallel(mode='ulysses' or 'allgather')"
+            )
         n, tp = shape[AXIS], shape.get("tensor", 1)
         lb = self.load_balance and causal
         seq = P(None, AXIS)
@@ -282,9 +289,12 @@ class _SequenceAttention:
         else:
             mspec = P(None, None, AXIS)
         if exchange == "ulysses":
-            body = functools.partial(_ulysses, n=n, tp=tp, causal=causal, scale=scale)
+            body = functools.partial(_ulysses, n=n, tp=tp, causal=causal, scale=scale, impl=implementation)
         elif exchange == "allgather":
-            body = functools.partial(_allgather, n=n, causal=causal, scale=scale, lb=lb, gather=kv_spec == seq)
+            gather = kv_spec == seq
+            body = functools.partial(
+                _allgather, n=n, causal=causal, scale=scale, lb=lb, gather=gather, impl=implementation
+            )
         else:
             body = functools.partial(_ring, n=n, causal=causal, scale=scale, lb=lb)
         args = (q, k, v) if mask is None else (q, k, v, mask)
@@ -374,7 +384,7 @@ def _q_ids(n: int, lb: bool) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- the exchanges (shard_map bodies)
-def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float):
+def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float, impl: str | None = None):
     """All-to-all: positions for heads, whole-sequence attention on H / n heads, and back.
 
     Heads are grouped ``(tensor, sequence, rest)`` so the heads a device
@@ -400,12 +410,15 @@ def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float)
         m = mask.reshape(mb, tp, n, mh // (tp * n), mt, ms)
         m = lax.dynamic_index_in_dim(m, lax.axis_index(AXIS), axis=2, keepdims=False)
         mask = m.reshape(mb, mh // n, mt, ms)
-    out = local_attention(qh, kh, vh, causal=causal, mask=mask, scale=scale)
+    out = run_local(qh, kh, vh, causal=causal, mask=mask, scale=scale, implementation=impl)
     return to_seq(out)
 
 
-def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bool, gather: bool):
-    """Keys/values all-gathered (natural order) beside this device's queries (zig-zag chunks when balanced)."""
+def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bool, gather: bool, impl=None):
+    """Keys/values all-gathered (natural order) beside this device's queries (zig-zag chunks when balanced).
+
+    A fused kernel (see :func:`~jaxlight.strategies.attention_backends.choose`) gets the causal
+    condition as a mask of these queries' global positions: its own causal mask starts both at 0."""
     if lb:
         q = _to_zigzag(q, n, axis=1)
         if mask is not None and mask.shape[2] > 1:
@@ -416,6 +429,15 @@ def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bo
     # Keys in natural order, one chunk; its blocks of at most length / 2n let a causal call skip
     # the blocks after each query chunk, which zig-zag spreads evenly.
     s = k.shape[1]
+    fused_mask = mask
+    if causal:
+        pos = _q_ids(n, lb)[:, None] * (q.shape[1] // (2 if lb else 1)) + jnp.arange(q.shape[1] // (2 if lb else 1))
+        allow = (pos.reshape(-1)[:, None] >= jnp.arange(s)[None, :])[None, None]
+        fused_mask = allow if mask is None else mask & allow
+    kernel = choose(q, k, v, causal=False, mask=fused_mask, implementation=impl)
+    if kernel != "blockwise":
+        out = run_local(q, k, v, causal=False, mask=fused_mask, scale=scale, implementation=kernel)
+        return _from_zigzag(out, n, axis=1) if lb else out
     plan = make_plan(causal=causal, scale=scale, q_chunk=q.shape[1] // (2 if lb else 1), kv_chunk=s)
     if causal and s % (2 * n) == 0 and plan.kv_block > s // (2 * n):
         plan = dataclasses.replace(plan, kv_block=s // (2 * n))
