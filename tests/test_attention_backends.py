@@ -159,6 +159,8 @@ def test_cudnn_fused_attention_flops_equal_the_xla_matmuls(causal, monkeypatch):
     """Traced (never run) with cuDNN's version check faked: the fused primitive's count equals the
     dot_generals of XLA's kernel on the same shapes, forward and forward + backward."""
     fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not hasattr(fused, "check_cudnn_version"):  # jax 0.10.2's name; tracing needs cuDNN's version
+        pytest.skip("this jax has no fused_attention_stablehlo.check_cudnn_version to fake")
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 90800)
     q, k = _sds((2, 128, 8, 64), jnp.bfloat16), _sds((2, 128, 4, 64), jnp.bfloat16)
 
