@@ -62,7 +62,10 @@ def _cuda_capability() -> tuple[int, int] | None:
     cap = getattr(dev, "compute_capability", None)
     if dev.platform != "gpu" or not cap:
         return None
-    major, minor, *_ = (int(x) for x in str(cap).split("."))
+    try:  # NVIDIA: "9.0"; ROCm reports e.g. "gfx90a" (no cuDNN there)
+        major, minor, *_ = (int(x) for x in str(cap).split("."))
+    except ValueError:
+        return None
     return major, minor
 
 
