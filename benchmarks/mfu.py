@@ -48,6 +48,7 @@ import optax
 from flax import nnx
 
 import jaxlight as jl
+from benchmarks.common import time_compiled_steps
 from examples.gpt import GPT
 from examples.models import CausalTransformer, GPTConfig
 from jaxlight.callbacks import ThroughputMonitor
@@ -231,14 +232,16 @@ def main() -> None:
     if not peak:
         print(f"  note: no published peak for device kind {dev.device_kind!r}: MFU not computed")
     if args.hand_loop and n_dev == 1:
+        # the trainer's compiled step alone, called in a plain loop: what the fit loop adds is the difference
+        program = statistics.median(time_compiled_steps({"t": trainer}, data[-1], args.steps, 1)["t"]) / 1e3
         del trainer, model, monitor  # free the trainer's state before the hand loops build theirs
         gc.collect()
-        compare_hand_loops(args, kernel, data, med, analytic, peak)
+        compare_hand_loops(args, kernel, data, med, program, analytic, peak)
     elif args.hand_loop:
         print(f"  note: the hand loop runs on one device; this trainer ran on {n_dev}: hand loop not timed")
 
 
-def compare_hand_loops(args, kernel: str, data: list, trainer_step: float, flops: float, peak) -> None:
+def compare_hand_loops(args, kernel: str, data: list, trainer_step: float, program: float, flops: float, peak) -> None:
     """Rows: the trainer, the hand loop with its kernel (and the ratio), the hand loop with each other kernel."""
     steps = args.hand_steps or args.steps
     warmup = max(1, args.warmup)
@@ -249,6 +252,7 @@ def compare_hand_loops(args, kernel: str, data: list, trainer_step: float, flops
         f"{'trainer, attention ' + kernel:<50}{trainer_step * 1e3:>10.2f}{mfu(trainer_step):>9}"
         f"{trainer_step / hand:>14.3f}"
     )
+    print(f"{'trainer compiled step, plain loop':<50}{program * 1e3:>10.2f}{mfu(program):>9}{program / hand:>14.3f}")
     print(f"{'hand loop (jax.jit + optax), attention ' + kernel:<50}{hand * 1e3:>10.2f}{mfu(hand):>9}{1.0:>14.3f}")
     for other in IMPLEMENTATIONS:
         if other == kernel:
