@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "ulysses", "allgather", "ring")
 AXIS = "sequence"
 
-__all__ = ["MODES", "SequenceParallel", "attention_plan"]
+__all__ = ["MODES", "SequenceParallel", "attention_plan", "in_manual_sequence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,18 +264,19 @@ class _SequenceAttention:
         self.load_balance = load_balance
         self.calls: list[tuple[str, str, bool, tuple, tuple]] = []
 
+    axis: ClassVar[str] = AXIS
+    """The mesh axis this exchange runs over: a pipeline stage that is already manual over it calls
+    :meth:`__call__` there, and the exchange runs its collectives in place (:func:`in_manual_sequence`)."""
+
     def __call__(self, q, k, v, *, causal: bool, mask, scale: float, implementation: str | None = None):
+        if in_manual_sequence():
+            return _attend_in_place(self, q, k, v, causal=causal, mask=mask, scale=scale, impl=implementation)
         shape = dict(self.mesh.shape)
         exchange, why = attention_plan(self.mode, self.load_balance, q.shape, k.shape, causal=causal, mesh_shape=shape)
         self.calls.append((exchange, why, causal, tuple(q.shape), tuple(k.shape)))
         if exchange == "dense":
             return run_local(q, k, v, causal=causal, mask=mask, scale=scale, implementation=implementation)
-        if exchange == "ring" and implementation not in (None, "blockwise"):
-            raise AttentionImplementationError(
-                f"attention: implementation={implementation!r} cannot run the sequence-parallel ring exchange "
-                "(keys arrive block by block: only the blockwise kernel folds them); pass implementation=None "
-                "or 'blockwise', or SequenceParallel(mode='ulysses' or 'allgather')"
-            )
+        _refuse_fused_ring(exchange, implementation)
         n, tp = shape[AXIS], shape.get("tensor", 1)
         lb = self.load_balance and causal
         seq = P(None, AXIS)
@@ -314,6 +315,61 @@ class _SequenceAttention:
             f"SequenceParallel(mode={self.mode!r}) on sequence={shape[AXIS]}, tensor={shape.get('tensor', 1)}: "
             f"{len(self.calls)} attention call(s): " + "; ".join(parts)
         )
+
+
+def in_manual_sequence() -> bool:
+    """Whether the code traced now runs inside a ``shard_map`` already manual over ``sequence`` (a pipeline
+    stage under ``"pp+sp"``): arrays there hold this device's positions only."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return not ctx.empty and AXIS in ctx.manual_axes
+
+
+def _refuse_fused_ring(exchange: str, implementation: str | None) -> None:
+    if exchange == "ring" and implementation not in (None, "blockwise"):
+        raise AttentionImplementationError(
+            f"attention: implementation={implementation!r} cannot run the sequence-parallel ring exchange "
+            "(keys arrive block by block: only the blockwise kernel folds them); pass implementation=None "
+            "or 'blockwise', or SequenceParallel(mode='ulysses' or 'allgather')"
+        )
+
+
+def _attend_in_place(sp: _SequenceAttention, q, k, v, *, causal: bool, mask, scale: float, impl=None):
+    """One attention call where ``q``/``k``/``v`` are already this device's positions (manual over
+    ``sequence``): the exchange's collectives run here, without a shard_map of their own."""
+    shape = dict(sp.mesh.shape)
+    n, tp = shape[AXIS], shape.get("tensor", 1)
+    if mask is not None and (mask.shape[2] > 1 or mask.shape[3] > 1):
+        # a mask built inside the stage from local arrays has local rows/columns, one from outside global
+        # ones: neither can be told apart by shape, so only masks without length dims are taken
+        raise ValueError(
+            f'sequence-parallel attention inside a pipeline stage ("pp+sp") takes masks without length '
+            f"dims ([batch|1, heads|1, 1, 1]); got mask {tuple(mask.shape)} for local queries {tuple(q.shape)}. "
+            "Use causal=True, or run the model without the pipeline"
+        )
+    whole = [name for name, x in (("q", q), ("k", k), ("v", v)) if AXIS not in _varying_axes(x)]
+    if whole:
+        # e.g. keys/values from a stack argument given whole: not this device's positions, so the exchange
+        # would attend to n copies of them
+        raise ValueError(
+            f'sequence-parallel attention inside a pipeline stage ("pp+sp") needs q, k and v computed from the '
+            f"stack's split input, but {', '.join(whole)} {'is' if len(whole) == 1 else 'are'} the same on every "
+            f"{AXIS} device (from an argument given whole?); cross-attention on whole arrays is not supported there"
+        )
+    q_global = (q.shape[0], q.shape[1] * n, *q.shape[2:])
+    kv_global = (k.shape[0], k.shape[1] * n, *k.shape[2:])
+    exchange, why = attention_plan(sp.mode, sp.load_balance, q_global, kv_global, causal=causal, mesh_shape=shape)
+    sp.calls.append((exchange, why, causal, q_global, kv_global))
+    lb = sp.load_balance and causal
+    _refuse_fused_ring(exchange, impl)
+    if exchange == "ulysses":
+        return _ulysses(q, k, v, mask, n=n, tp=tp, causal=causal, scale=scale, impl=impl)
+    if exchange == "allgather":
+        return _allgather(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb, gather=True, impl=impl)
+    return _ring(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
 
 
 _LAST: list[list[tuple[str, str, bool, tuple, tuple]]] = [[]]
