@@ -12,6 +12,12 @@ body once per device it runs on. Elementwise work is not counted (a few percent 
 products with a float32 operand come from (the Linen module path of the jaxpr's name stack, and the
 user's source line JAX records for every equation, backward ones included): what a half-precision
 policy is checked against.
+
+cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``) is one primitive, not
+``dot_general`` products: :func:`_fused_attention_flops` counts its matrix products as torch's counter counts
+``scaled_dot_product_attention``: ``Q K^T`` and ``P V`` forward (``2 B H T S (D + Dv)``), four products
+backward (twice that), the full ``T x S`` square even for a causal call (as torch counts it; the kernel
+skips about half of a causal square), no recomputation counted inside the backward kernel.
 """
 
 from __future__ import annotations
@@ -120,11 +126,32 @@ def _inner(value: Any) -> Jaxpr | None:
     return value if isinstance(value, Jaxpr) else None
 
 
+# jax 0.10/0.11: dot_product_attention_{fwd,bwd}[_wrapper] and the fp8 twins (jax/_src/cudnn/fused_attention_stablehlo.py)
+_FUSED_ATTENTION = re.compile(r"dot_product_attention.*_(fwd|bwd)")
+
+
+def _fused_attention_flops(eqn: Any) -> float:
+    """Matmul FLOPs of one cuDNN fused-attention primitive (q, k, v are its first three operands)."""
+    q, k, v = (x.aval for x in eqn.invars[:3])
+    layout = eqn.params.get("layout", 0)
+    bnth = getattr(layout, "value", layout) == 1  # AttentionLayout.BNTH; 0 is BTNH
+    b, h, t, d = q.shape if bnth else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    s, dv = (k.shape[2], v.shape[3]) if bnth else (k.shape[1], v.shape[3])
+    forward = 2.0 * b * h * t * s * (d + dv)
+    return forward if "fwd" in eqn.primitive.name else 2.0 * forward
+
+
 def _count(jaxpr: Jaxpr, tally: _Tally | None = None, times_outer: float = 1.0) -> MatmulFlops:
     """``tally`` (with ``times_outer``, how often this jaxpr runs): also count each product by dtype there."""
     total, exact = 0.0, True
     for eqn in jaxpr.eqns:
         name, params = eqn.primitive.name, eqn.params
+        if _FUSED_ATTENTION.search(name):
+            flops = _fused_attention_flops(eqn)
+            total += flops
+            if tally is not None:  # q and k are its first operands, as a product's lhs and rhs
+                tally.add(eqn, flops, times_outer)
+            continue
         if name == "dot_general":
             lhs, rhs = (v.aval for v in eqn.invars)
             (_, rc), (_, rb) = params["dimension_numbers"]

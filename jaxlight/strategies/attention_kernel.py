@@ -47,7 +47,8 @@ __all__ = [
 _ctx = threading.local()
 
 AttendFn = Callable[..., jax.Array]
-"""``attend(q, k, v, *, causal, mask, scale) -> out``: what a sequence-parallel context runs instead."""
+"""``attend(q, k, v, *, causal, mask, scale, implementation) -> out``: what a sequence-parallel context runs
+instead (``implementation``: the kernel ``jl.nn.attention`` was asked for, None for automatic)."""
 
 
 @contextlib.contextmanager
