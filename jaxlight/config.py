@@ -283,13 +283,14 @@ ARGUMENTS: tuple[Argument, ...] = (
     ),
     Argument(
         "precision",
-        str | int,
+        str | int | Precision,
         "32-true",
         '`"32-true"`/`"32"`/`32`; `"bf16-mixed"`/`"bf16"` (fp32 master weights and optimizer state, bf16 '
-        'forward/backward; normalisation layers keep bf16 activations with fp32 statistics); `"bf16-true"` '
+        'forward/backward; normalisation layers keep bf16 activations with fp32 statistics); `"16-mixed"`/`"16"`/'
+        "`16` (the same in float16, with dynamic loss scaling as torch's `GradScaler`; its settings through "
+        '`jl.MixedPrecision("16-mixed", scaler=jl.GradScaler(...))`); `"bf16-true"` '
         "(parameters, and so optimizer state, stored in bf16; float inputs are cast to bf16 too); "
-        '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). `"16-mixed"`/`"16"`/`16` is refused: it needs '
-        "dynamic loss scaling, which the compiled step does not do. Anything else raises, listing these",
+        '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). Anything else raises, listing these',
         resolve=lambda value, args: resolve_precision(value),
         field_type=Precision,
         attribute="precision_plugin",

@@ -39,7 +39,8 @@ class NonFiniteGuard(Callback):
     the last steps are checked at epoch and train end, so a stop happens at
     most that many steps after the bad one but always reports that exact step.
     The gradient norm is also returned in the step outputs as
-    ``"grad_norm"``.
+    ``"grad_norm"``. Under ``precision="16-mixed"`` the loss scaler owns non-finite gradients (it skips the
+    update and lowers the scale, as torch's GradScaler does), so the guard checks the loss only.
     """
 
     needs_grad_norm = True
@@ -68,7 +69,10 @@ class NonFiniteGuard(Callback):
         # the optimizer update this batch contributes to (the position has already counted it)
         step = info.global_step - 1 if info.stepped else info.global_step
         outputs = info.outputs
-        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], outputs.get("grad_norm")))
+        # under "16-mixed" (a "loss_scale" output) a non-finite gradient is expected now and then: the loss
+        # scaler skips that update and lowers the scale, so only the loss is checked
+        gnorm = outputs.get("grad_norm") if "loss_scale" not in outputs else None
+        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], gnorm))
         # entries older than the run-ahead window belong to steps the trainer has already waited for
         from jaxlight.config import RUN_AHEAD
 
