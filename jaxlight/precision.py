@@ -20,7 +20,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jaxlight.loss_scale import GradScaler
 
 #: Every precision jaxlight accepts, in Lightning's spelling ("64-true" needs ``jax_enable_x64``).
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 #: Lightning's short forms, mapped as Lightning maps them.
 ALIASES: dict[Any, str] = {
@@ -145,7 +145,8 @@ def resolve_precision(precision: Any) -> Precision:
     _refuse(precision, reason)
 
 
-def MixedPrecision(  # noqa: N802 - Lightning's plugin class name, so a Lightning user's line reads the same
+# named as Lightning's plugin class, so a Lightning user's line reads the same
+def MixedPrecision(
     precision: str = "16-mixed", device: str | None = None, scaler: GradScaler | None = None
 ) -> Precision:
     """A mixed policy with its settings, as Lightning's ``MixedPrecision(precision, device, scaler)`` plugin:

@@ -80,6 +80,7 @@ class Trace(jl.Callback):
                 "global_step": trainer.global_step,
                 "params": host(st.params),
                 "opt": host(st.opt_state),
+                "callback_state": host(st.callback_state),
             }
         )
 
@@ -146,11 +147,14 @@ def test_traced_step_multiplies_in_float16_with_float32_masters():
 
 # ---------------------------------------------------------------------------- skip, back-off, growth
 def test_overflow_skips_on_every_device_and_halves_the_scale():
-    trainer, rows = fit(devices=8, strategy="ddp", scaler=jl.GradScaler(init_scale=2.0**4, growth_interval=100))
+    scaler = jl.GradScaler(init_scale=2.0**4, growth_interval=100)
+    trainer, rows = fit(devices=8, strategy="ddp", scaler=scaler, callbacks=[jl.callbacks.EMA(decay=0.9)])
     before, bad = rows[BAD - 1], rows[BAD]
     assert np.isfinite(bad["loss"]) and bad["used"] == 2.0**4
     assert (bad["scale"], bad["good"]) == (2.0**3, 0)
     assert same(bad["params"], before["params"]) and same(bad["opt"], before["opt"])  # bit-exact
+    assert bad["callback_state"] and same(bad["callback_state"], before["callback_state"])  # the EMA too
+    assert not same(rows[BAD + 1]["callback_state"], bad["callback_state"])
     for v in trainer.train_state.params.values():  # every device's copy took the same decision
         shards = [np.asarray(s.data) for s in v.addressable_shards]
         assert len(shards) == 8 and all(np.array_equal(shards[0], s) for s in shards)
