@@ -259,3 +259,16 @@ def test_resume_mid_run_is_bit_identical(tmp_path):
     assert same(host(resumed.train_state.opt_state), host(full.train_state.opt_state))
     assert same(host(resumed.train_state.loss_scale), host(full.train_state.loss_scale))
     assert int(resumed.train_state.step) == int(full.train_state.step) == 6  # two skipped updates
+
+
+def test_nonfinite_guard_leaves_overflows_to_the_scaler():
+    # an overflowing gradient is the scaler's to skip: NonFiniteGuard("stop") lets the run go on...
+    guard = jl.callbacks.NonFiniteGuard(action="skip", verbose=False)
+    trainer, rows = fit(callbacks=[guard, jl.callbacks.NonFiniteGuard()])
+    assert guard.skipped == [] and rows[BAD]["scale"] == rows[BAD]["used"] / 2
+    assert [r["step"] for r in rows] == [1, 2, 2, 3, 4, 5, 6, 7]
+    # ...but a non-finite loss still stops it, naming the step
+    poisoned = data(bad=())
+    poisoned[5][0][3, 0] = np.nan
+    with pytest.raises(jl.callbacks.NonFiniteError, match=r"Non-finite loss=nan at step 5 \(epoch 0, batch 5\)"):
+        fit(batches_=poisoned, callbacks=[jl.callbacks.NonFiniteGuard()])

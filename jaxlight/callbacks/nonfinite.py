@@ -106,10 +106,10 @@ class NonFiniteGuard(Callback):
         values = jax.device_get([(loss, gn) for _, _, _, loss, gn in entries])  # one transfer
         for (step, epoch, idx, _, _), (loss, gn) in zip(entries, values):
             loss = float(np.asarray(loss))
-            gn = float(np.asarray(gn)) if gn is not None else 0.0
-            if math.isfinite(loss) and math.isfinite(gn):
+            gn = float(np.asarray(gn)) if gn is not None else None
+            if math.isfinite(loss) and (gn is None or math.isfinite(gn)):
                 continue
-            what = f"loss={loss}, grad_norm={gn}"
+            what = f"loss={loss}" + (f", grad_norm={gn}" if gn is not None else "")
             if self.action == "skip":
                 self.skipped.append(step)
                 if self.verbose:
