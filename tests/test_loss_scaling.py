@@ -122,6 +122,18 @@ def test_mixed_precision_plugin_settings_and_refusals():
         jl.GradScaler(backoff_factor=2.0)
 
 
+def test_plugins_spelling_as_in_lightning():
+    scaler = jl.GradScaler(growth_interval=7)
+    trainer = jl.Trainer(plugins=[jl.MixedPrecision("16-mixed", "cuda", scaler=scaler)], **quiet())
+    assert trainer.precision == "16-mixed" and trainer.precision_plugin.scaler is scaler
+    with pytest.raises(jl.MisconfigurationError, match=r"Received both precision='bf16-mixed' and plugins="):
+        jl.Trainer(precision="bf16-mixed", plugins=[jl.MixedPrecision("16-mixed")])
+    with pytest.raises(jl.MisconfigurationError, match=r"plugins: object is not a plugin jaxlight has"):
+        jl.Trainer(plugins=[object()])
+    with pytest.raises(jl.MisconfigurationError, match=r"plugins holds 2 precision plugins"):
+        jl.Trainer(plugins=[jl.MixedPrecision(), jl.MixedPrecision()])
+
+
 def test_traced_step_multiplies_in_float16_with_float32_masters():
     trainer, _ = fit(max_steps=1)
     jaxpr = trainer.engine.compiled["train"].jaxpr
