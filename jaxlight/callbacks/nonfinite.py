@@ -71,8 +71,9 @@ class NonFiniteGuard(Callback):
         outputs = info.outputs
         # under "16-mixed" (a "loss_scale" output) a non-finite gradient is expected now and then: the loss
         # scaler skips that update and lowers the scale, so only the loss is checked
-        gnorm = outputs.get("grad_norm") if "loss_scale" not in outputs else None
-        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], gnorm))
+        scaled = "loss_scale" in outputs
+        gnorm = None if scaled else outputs.get("grad_norm")
+        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], gnorm, scaled))
         # entries older than the run-ahead window belong to steps the trainer has already waited for
         from jaxlight.config import RUN_AHEAD
 
@@ -103,13 +104,13 @@ class NonFiniteGuard(Callback):
     def _check(self, entries: list[tuple]) -> None:
         if not entries:
             return
-        values = jax.device_get([(loss, gn) for _, _, _, loss, gn in entries])  # one transfer
-        for (step, epoch, idx, _, _), (loss, gn) in zip(entries, values):
+        values = jax.device_get([(loss, gn) for _, _, _, loss, gn, _ in entries])  # one transfer
+        for (step, epoch, idx, _, _, scaled), (loss, gn) in zip(entries, values):
             loss = float(np.asarray(loss))
-            gn = float(np.asarray(gn)) if gn is not None else None
-            if math.isfinite(loss) and (gn is None or math.isfinite(gn)):
+            gn = float(np.asarray(gn)) if gn is not None else 0.0
+            if math.isfinite(loss) and math.isfinite(gn):
                 continue
-            what = f"loss={loss}" + (f", grad_norm={gn}" if gn is not None else "")
+            what = f"loss={loss}" if scaled else f"loss={loss}, grad_norm={gn}"
             if self.action == "skip":
                 self.skipped.append(step)
                 if self.verbose:
