@@ -205,9 +205,13 @@ class ManualContext:
         i = opt.index
         p = {k: self.params[k] for k in opt.param_paths}
         g = {k: grads[k] for k in opt.param_paths}
-        updates, new_state = opt.optimizer.update(g, self.opt_states[i], p)
-        new_p = optax.apply_updates(p, updates)
-        new_p = {k: v.astype(p[k].dtype) for k, v in new_p.items()}
+        old_state = self.opt_states[i]
+
+        def step(g: Any) -> tuple[Any, Any]:
+            updates, new_state = opt.optimizer.update(g, old_state, p)
+            new_p = optax.apply_updates(p, updates)
+            return {k: v.astype(p[k].dtype) for k, v in new_p.items()}, new_state
+
         scaler = self.builder.scaler
         ok = None if when is None else jnp.asarray(when, jnp.bool_)
         if scaler is not None:
@@ -219,9 +223,13 @@ class ManualContext:
                 adjusted = jax.tree.map(lambda n, o: jnp.where(ok, n, o), adjusted, self.loss_scale)
             self.loss_scale = adjusted
             ok = finite if ok is None else ok & finite
-        if ok is not None:
-            new_p = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_p, p)
-            new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, self.opt_states[i])
+            # a cond: a skipped update costs nothing and the taken one stays in place
+            new_p, new_state = jax.lax.cond(ok, step, lambda _: (p, old_state), g)
+        else:
+            new_p, new_state = step(g)
+            if ok is not None:
+                new_p = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_p, p)
+                new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
         self.params.update(new_p)
         self.opt_states[i] = new_state
         self.bind()

@@ -247,12 +247,21 @@ class StepBuilder:
                 # Under accumulation the bad micro-batch still counts towards its window (so the
                 # update boundary stays aligned with global_step) but contributes a zero gradient.
                 grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
-        if accumulating:
-            updates, opt_state = self.tx.update(grads, state.opt_state, base, flush=aux["flush"])
+        as_stored = lambda tree: {k: v.astype(state.params[k].dtype) for k, v in tree.items()}
+
+        def apply(grads: Any) -> tuple[Any, Any]:
+            if accumulating:
+                updates, opt_state = self.tx.update(grads, state.opt_state, base, flush=aux["flush"])
+            else:
+                updates, opt_state = self.tx.update(grads, state.opt_state, base)
+            return as_stored(optax.apply_updates(base, updates)), opt_state
+
+        if scaler is not None and not accumulating:
+            # a cond, not a select of both results: the skipped branch costs nothing and the update stays
+            # in place (selecting between new and old state costs XLA:CPU copies of both)
+            params, opt_state = jax.lax.cond(finite, apply, lambda _: (as_stored(base), state.opt_state), grads)
         else:
-            updates, opt_state = self.tx.update(grads, state.opt_state, base)
-        params = optax.apply_updates(base, updates)
-        params = {k: v.astype(state.params[k].dtype) for k, v in params.items()}
+            params, opt_state = apply(grads)
         if self.skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             if not accumulating:
@@ -266,12 +275,10 @@ class StepBuilder:
         if scaler is not None:
             # a skipped step: parameters and the optimizer's state as they were (the model's other state,
             # e.g. BatchNorm statistics, keeps what the forward did, as in torch); at a window's end only
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            params = keep(params, base)
             if accumulating:  # the window is over either way: its sum is dropped with the update
+                keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+                params = keep(params, as_stored(base))
                 opt_state = opt_state._replace(inner_state=keep(opt_state.inner_state, state.opt_state.inner_state))
-            else:
-                opt_state = keep(opt_state, state.opt_state)
             stepped = _has_updated(opt_state)
             loss_scale = jax.tree.map(
                 lambda n, o: jnp.where(stepped, n, o), scaler.update(state.loss_scale, finite), state.loss_scale
