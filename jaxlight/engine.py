@@ -244,9 +244,10 @@ class Engine:
         esh = self._mirror_shardings(extra, params, "callback_state")
         extra = jax.device_put(extra, esh)
         self._check_state_on_device(callbacks, {"opt_state": osh, "callback_state": esh})
-        self.state_shardings = TrainState(
-            self.param_shardings, self.rest_shardings, osh, esh, NamedSharding(self.mesh, P())
-        )
+        rep = NamedSharding(self.mesh, P())
+        scaling = self._loss_scale_init()
+        lsh = jax.tree.map(lambda _: rep, scaling)
+        self.state_shardings = TrainState(self.param_shardings, self.rest_shardings, osh, esh, rep, lsh)
         self.builder = StepBuilder(
             module,
             self.parts,
@@ -259,10 +260,15 @@ class Engine:
             manual=not optimizer.automatic,
             handles=optimizer.handles,
         )
-        step = jax.device_put(jnp.int32(global_step), NamedSharding(self.mesh, P()))
-        self.train_state = TrainState(params, rest, opt_state, extra, step)
+        step = jax.device_put(jnp.int32(global_step), rep)
+        self.train_state = TrainState(params, rest, opt_state, extra, step, jax.device_put(scaling, lsh))
         self._drop_train_programs()
         self.refresh_train_modes()
+
+    def _loss_scale_init(self) -> Any:
+        """The loss scaler's first state (``"16-mixed"``), unplaced; None when the precision scales no loss."""
+        scaler = self.precision.scaler
+        return scaler.init() if scaler is not None and scaler.enabled else None
 
     def refresh_train_modes(self) -> bool:
         """Make the train step follow the modes the user set on the module's layers (a submodule's
@@ -381,7 +387,9 @@ class Engine:
             opt_shapes = jax.eval_shape(optimizer.tx.init, aparams)
             osh = self._mirror_shardings(opt_shapes, aparams, "opt_state", psh)
             rep = NamedSharding(self.mesh, P())
-            shardings = TrainState(psh, rsh, osh, {}, rep)
+            scaling = self._loss_scale_init()
+            lsh = jax.tree.map(lambda _: rep, scaling)
+            shardings = TrainState(psh, rsh, osh, {}, rep, lsh)
             sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
             state = TrainState(
                 jax.tree.map(sds, aparams, psh),
@@ -389,6 +397,7 @@ class Engine:
                 jax.tree.map(sds, opt_shapes, osh),
                 {},
                 jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                jax.tree.map(sds, scaling, lsh),
             )
             placer = BatchPlacer(self.mesh, strategy=self.strategy)
             batch = jax.tree_util.tree_map_with_path(

@@ -20,10 +20,11 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jaxlight.errors import Float32MatmulWarning
 from jaxlight.flops import MatmulDtypes, matmul_dtypes
+from jaxlight.loss_scale import GradScaler
 from jaxlight.rank_zero import rank_zero_warn
 
 #: Every precision jaxlight accepts, in Lightning's spelling ("64-true" needs ``jax_enable_x64``).
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 #: Lightning's short forms, mapped as Lightning maps them.
 ALIASES: dict[Any, str] = {
@@ -42,7 +43,9 @@ class Precision(NamedTuple):
 
     "32-true": everything fp32. "bf16-mixed": fp32 master parameters and
     optimizer state; the forward sees bf16 copies of the float parameters and
-    float inputs, gradients flow back to the fp32 masters. "bf16-true" /
+    float inputs, gradients flow back to the fp32 masters. "16-mixed": the
+    same in float16, with dynamic loss scaling (``scaler``, a
+    :class:`~jaxlight.loss_scale.GradScaler`; None for every other policy). "bf16-true" /
     "16-true" / "64-true": parameters (and so optimizer state) stored in
     bf16 / fp16 / fp64, float inputs cast to the same dtype (Lightning's
     ``convert_input``). In every policy non-parameter state (BatchNorm running
@@ -53,6 +56,7 @@ class Precision(NamedTuple):
     name: str
     param_dtype: Any
     compute_dtype: Any | None
+    scaler: GradScaler | None = None
 
     def store(self, params: dict) -> dict:
         """Cast float parameters to the storage dtype (a no-op for the mixed and fp32 policies)."""
@@ -197,6 +201,7 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
 _POLICIES = {
     "32-true": (None, None),
     "bf16-mixed": (None, jnp.bfloat16),
+    "16-mixed": (None, jnp.float16),
     # float inputs are cast as well (Lightning's convert_input), or fp32 batches would promote
     # the whole forward back to fp32
     "bf16-true": (jnp.bfloat16, jnp.bfloat16),
@@ -206,11 +211,15 @@ _POLICIES = {
 
 
 def resolve_precision(precision: Any) -> Precision:
-    """Map a precision setting (Lightning's strings, short aliases or ints) to a policy.
+    """Map a precision setting (Lightning's strings, short aliases or ints, or a policy such as
+    :func:`MixedPrecision` returns) to a policy. ``"16-mixed"`` gets a default
+    :class:`~jaxlight.loss_scale.GradScaler` (torch's defaults).
 
     Raises ``ValueError`` naming the setting, why it cannot be used here and
     the valid values.
     """
+    if isinstance(precision, Precision):
+        return precision
     key = precision
     if isinstance(precision, str):
         key = precision.strip().lower()
@@ -225,18 +234,39 @@ def resolve_precision(precision: Any) -> Precision:
                 "before creating any array",
             )
         param_dtype, compute_dtype = _POLICIES[name]
-        return Precision(name, param_dtype, compute_dtype)
+        return Precision(name, param_dtype, compute_dtype, GradScaler() if name == "16-mixed" else None)
     reason = ""
-    if name == "16-mixed":
-        means = "'16-mixed'" if precision == "16-mixed" else f"{precision!r} means '16-mixed' (as in Lightning), which"
-        reason = (
-            f"{means} needs dynamic loss scaling (fp16 gradients underflow without it), "
-            "and jaxlight's compiled step does not scale losses: use 'bf16-mixed' (same memory and speed on TPUs and "
-            "Ampere or newer GPUs, no loss scaling needed) or '16-true'"
-        )
-    elif isinstance(name, str) and name.startswith("transformer-engine"):
+    if isinstance(name, str) and name.startswith("transformer-engine"):
         reason = "Transformer Engine is a torch/CUDA integration with no counterpart in jaxlight"
     _refuse(precision, reason)
+
+
+# named as Lightning's plugin class, so a Lightning user's line reads the same
+def MixedPrecision(
+    precision: str = "16-mixed", device: str | None = None, scaler: GradScaler | None = None
+) -> Precision:
+    """A mixed policy with its settings, as Lightning's ``MixedPrecision(precision, device, scaler)`` plugin:
+    ``Trainer(precision=jl.MixedPrecision("16-mixed", scaler=jl.GradScaler(init_scale=2.0**10)))``.
+
+    ``precision``: ``"16-mixed"`` (float16 forward with dynamic loss scaling; ``scaler`` None means
+    ``GradScaler()``) or ``"bf16-mixed"`` (no scaler: passing one raises, as in Lightning). ``device``
+    is accepted for Lightning's signature and must be None or a device type name (``"cuda"``, ``"cpu"``,
+    ``"gpu"``, ``"tpu"``): the compiled step computes in the policy's dtype on whatever devices the Trainer
+    runs on (JAX has no per-device autocast).
+    """
+    name = ALIASES.get(precision, precision)
+    if name not in ("16-mixed", "bf16-mixed"):
+        raise ValueError(f"MixedPrecision(precision={precision!r}): precision must be '16-mixed' or 'bf16-mixed'")
+    if device not in (None, "cuda", "cpu", "gpu", "tpu"):
+        raise ValueError(f"MixedPrecision(device={device!r}): choose None, 'cuda', 'gpu', 'cpu' or 'tpu'")
+    if scaler is not None and not isinstance(scaler, GradScaler):
+        raise TypeError(f"MixedPrecision(scaler=...) takes a jaxlight.GradScaler, got {type(scaler).__name__}")
+    if name == "bf16-mixed":
+        if scaler is not None:
+            raise ValueError(f"precision='bf16-mixed' does not use a scaler, got {scaler}")
+        return resolve_precision(name)
+    param_dtype, compute_dtype = _POLICIES[name]
+    return Precision(name, param_dtype, compute_dtype, scaler if scaler is not None else GradScaler())
 
 
 def _refuse(precision: Any, reason: str) -> NoReturn:
