@@ -28,11 +28,12 @@ from jaxlight.binding import ModuleBinding
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
 from jaxlight.explicit import explicit_twin, name_missing_axis, needs_explicit, refuse_pieces, typed
+from jaxlight.flops import MatmulDtypes
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.multistep import MultiStep
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig, configure, select_params
-from jaxlight.precision import Precision
+from jaxlight.precision import Precision, check_matmul_dtypes
 from jaxlight.rank_zero import rank_zero_info
 from jaxlight.signatures import step_call
 from jaxlight.stages import STAGES
@@ -91,6 +92,7 @@ class Engine:
         self.compile_counts: collections.Counter = collections.Counter()
         self.batch_rows: dict[str, int] = {}  # global rows each stage's step was compiled for
         self.init_compiled: Any = None  # the compiled parameter creation (kept for inspection)
+        self.matmul_dtypes: MatmulDtypes | None = None  # half precisions: the train step's matmul FLOPs by dtype
         self.binding = ModuleBinding(self)  # the module's attributes <-> the train state (jaxlight/binding.py)
         self.eval_steps: dict[tuple[str, Any], Any] = {}  # compiled evaluation steps by (key, batch signature)
         self.train_steps: dict[Any, Any] = {}  # compiled train steps by batch signature (a ragged batch: its own)
@@ -510,6 +512,7 @@ class Engine:
                 return _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, 1)
 
         compiled = self._traced(trace)
+        self._check_matmul_dtypes(compiled)
         self.compile_counts["train"] += 1
         self.train_steps[_signature(batch)] = compiled
         self.compiled.setdefault("train", compiled)
@@ -540,11 +543,20 @@ class Engine:
                 return _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, len(batches))
 
         compiled = self._traced(trace)
+        self._check_matmul_dtypes(compiled)
         self.compile_counts["train"] += 1
         self.multi_steps[(len(batches), _signature(batches[0]))] = compiled
         if full or "train" not in self.compiled:
             self.compiled["train"] = compiled
         return compiled
+
+    def _check_matmul_dtypes(self, compiled: Any) -> None:
+        """On the first train program of a training setup: under a half precision, its matmul FLOPs by operand
+        dtype (``self.matmul_dtypes``), warned about when too many stay float32 (:func:`check_matmul_dtypes`)."""
+        if "train" in self.compiled or self.builder is None or self.parts is None:
+            return
+        models = {k: getattr(self.builder.module, k) for k in self.parts.names}
+        self.matmul_dtypes = check_matmul_dtypes(self.precision, compiled.jaxpr, models)
 
     def train_steps_for(self, batches: Sequence[Any]) -> Any:
         """The program compiled for ``len(batches)`` steps on batches of these shapes, or None."""
