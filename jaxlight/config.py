@@ -289,7 +289,8 @@ ARGUMENTS: tuple[Argument, ...] = (
         "auto",
         'placement: `"ddp"`/`"dp"` (data parallel), `"fsdp"`, `"tp"`, `"sp"`, `"pp"`, `"offload"`, joined '
         'with `+` (`"fsdp+tp"`), a piece (`jl.strategies.FSDP(...)`) or a `Strategy`; `"auto"` picks the '
-        "least communication that fits `device_memory` ([verify.md](verify.md)). Unknown names raise, "
+        "fastest estimated step that fits `device_memory`, rematerialising before offloading ([verify.md](verify.md)). "
+        "Unknown names raise, "
         "listing the valid ones",
         field=None,
         attribute=None,

@@ -366,8 +366,8 @@ class Engine:
         )
 
     def compile_abstract(
-        self, module: LightningModule, tx: Any, batch: Any, batch_idx: Any = None
-    ) -> tuple[Any, TrainState]:
+        self, module: LightningModule, tx: Any, batch: Any, batch_idx: Any = None, *, with_jaxpr: bool = False
+    ) -> tuple[Any, ...]:
         """Lower and compile ``module``'s train step on abstract shapes, allocating no state.
 
         ``tx``: what ``configure_optimizers`` returns (any of its forms) or an
@@ -377,7 +377,8 @@ class Engine:
         shardings optional: rows over the batch axes by default). Returns the
         compiled step (for ``memory_analysis()`` and its HLO) and the abstract
         TrainState with the shardings the real run would use. Does not change
-        this engine's model or state.
+        this engine's model or state. ``with_jaxpr=True`` adds the traced step's jaxpr as a third item
+        (what :func:`jaxlight.flops.matmul_flops` counts).
         """
         with self.context():
             parts, aparams, arest = self._abstract_model(module)
@@ -424,8 +425,9 @@ class Engine:
             epoch = jax.ShapeDtypeStruct((), jnp.int32)
             fn = jax.jit(builder.train_step, donate_argnums=0, out_shardings=(shardings, None, None))
             with lightning_step_call(module, "training_step"):
-                compiled = fn.lower(state, batch, idx, flush, epoch).compile()
-        return compiled, state
+                traced = fn.trace(state, batch, idx, flush, epoch)
+                compiled = traced.lower().compile()
+        return (compiled, state, traced.jaxpr) if with_jaxpr else (compiled, state)
 
     # -- compile ------------------------------------------------------------------------------
     def _traced(self, trace: Callable[[Callable[[Any], Any]], Any]) -> Any:
