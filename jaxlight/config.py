@@ -32,7 +32,7 @@ import jax
 from jaxlight.errors import MisconfigurationError, NotADirectoryMisconfiguration
 from jaxlight.loggers.csv_logs import CSVLogger
 from jaxlight.loggers.logger import Logger
-from jaxlight.precision import Precision, resolve_precision
+from jaxlight.precision import Precision, check_plugins, plugin_list, resolve_precision_argument
 
 RUN_AHEAD = 4
 """Steps the host may dispatch ahead of the device before it waits for the oldest one. Deep enough that
@@ -150,37 +150,6 @@ def _check_ragged(name: str, ragged: Any) -> None:
             f"ragged_batches={ragged!r}; choose 'error' or 'drop', or 'keep' (the default: a shorter "
             f"train batch runs in a step compiled for its own shape, as Lightning trains it)"
         )
-
-
-def _plugin_list(plugins: Any) -> list[Any]:
-    return [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-
-
-def _check_plugins(name: str, plugins: Any) -> None:
-    """Lightning's ``plugins=``: jaxlight has precision plugins only (``jl.MixedPrecision(...)``), at most one."""
-    given = _plugin_list(plugins)
-    other = [p for p in given if not isinstance(p, Precision)]
-    if other:
-        raise MisconfigurationError(
-            f"plugins: {type(other[0]).__name__} is not a plugin jaxlight has; the only plugins are precision "
-            f"policies (jl.MixedPrecision('16-mixed', scaler=jl.GradScaler(...))); environments, checkpoint I/O "
-            f"and the rest of Lightning's plugins have no counterpart"
-        )
-    if len(given) > 1:
-        raise MisconfigurationError(f"plugins holds {len(given)} precision plugins ({given}); pass one")
-
-
-def _resolve_precision(value: Any, args: Mapping[str, Any]) -> Precision:
-    """``precision``, or the precision plugin in ``plugins`` (Lightning refuses both; so does jaxlight, unless
-    ``precision`` is the default)."""
-    plugins = [p for p in _plugin_list(args.get("plugins")) if isinstance(p, Precision)]
-    if not plugins:
-        return resolve_precision(value)
-    if not isinstance(value, Precision) and resolve_precision(value).name != "32-true":
-        raise MisconfigurationError(
-            f"Received both precision={value!r} and plugins={plugins[0]!r}; choose one (as in Lightning)"
-        )
-    return plugins[0]
 
 
 def _check_prefetch(name: str, prefetch: Any) -> None:
@@ -323,7 +292,7 @@ ARGUMENTS: tuple[Argument, ...] = (
         '`jl.MixedPrecision("16-mixed", scaler=jl.GradScaler(...))`); `"bf16-true"` '
         "(parameters, and so optimizer state, stored in bf16; float inputs are cast to bf16 too); "
         '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). Anything else raises, listing these',
-        resolve=_resolve_precision,
+        resolve=resolve_precision_argument,
         field_type=Precision,
         attribute="precision_plugin",
     ),
@@ -334,8 +303,8 @@ ARGUMENTS: tuple[Argument, ...] = (
         'Lightning\'s spelling of a precision with settings: `plugins=[jl.MixedPrecision("16-mixed", '
         "scaler=jl.GradScaler(...))]` (with `precision` left at its default; jaxlight has no other plugins: "
         "anything else raises)",
-        check=_check_plugins,
-        resolve=lambda value, args: tuple(_plugin_list(value)),
+        check=check_plugins,
+        resolve=lambda value, args: tuple(plugin_list(value)),
         field_type=tuple[Any, ...],
         attribute=None,
     ),

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jaxlight.errors import Float32MatmulWarning
+from jaxlight.errors import Float32MatmulWarning, MisconfigurationError
 from jaxlight.flops import MatmulDtypes, matmul_dtypes
 from jaxlight.loss_scale import GradScaler
 from jaxlight.rank_zero import rank_zero_warn
@@ -275,3 +275,35 @@ def _refuse(precision: Any, reason: str) -> NoReturn:
         f"precision={precision!r} is not supported; choose one of {PRECISIONS} or an alias ({aliases})"
         + (f". {reason}" if reason else "")
     )
+
+
+def plugin_list(plugins: Any) -> list[Any]:
+    """Lightning's ``plugins=`` value (None, one plugin or a sequence) as a list."""
+    return [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+
+
+def check_plugins(name: str, plugins: Any) -> None:
+    """Lightning's ``plugins=``: jaxlight has precision plugins only (``jl.MixedPrecision(...)``), at most one."""
+    given = plugin_list(plugins)
+    other = [p for p in given if not isinstance(p, Precision)]
+    if other:
+        raise MisconfigurationError(
+            f"plugins: {type(other[0]).__name__} is not a plugin jaxlight has; the only plugins are precision "
+            f"policies (jl.MixedPrecision('16-mixed', scaler=jl.GradScaler(...))); environments, checkpoint I/O "
+            f"and the rest of Lightning's plugins have no counterpart"
+        )
+    if len(given) > 1:
+        raise MisconfigurationError(f"plugins holds {len(given)} precision plugins ({given}); pass one")
+
+
+def resolve_precision_argument(value: Any, args: Mapping[str, Any]) -> Precision:
+    """``precision``, or the precision plugin in ``plugins`` (Lightning refuses both; so does jaxlight, unless
+    ``precision`` is the default)."""
+    plugins = [p for p in plugin_list(args.get("plugins")) if isinstance(p, Precision)]
+    if not plugins:
+        return resolve_precision(value)
+    if not isinstance(value, Precision) and resolve_precision(value).name != "32-true":
+        raise MisconfigurationError(
+            f"Received both precision={value!r} and plugins={plugins[0]!r}; choose one (as in Lightning)"
+        )
+    return plugins[0]
