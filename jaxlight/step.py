@@ -37,6 +37,8 @@ from jaxlight.optim import AccumulationState
 from jaxlight.precision import Precision
 from jaxlight.stages import STAGES
 from jaxlight.state import ModelParts, eval_changes, merge_models, rest_after, written_params
+from jaxlight.strategies import pipeline_1f1b
+from jaxlight.strategies.pipeline import active_pipeline, stack_params
 from jaxlight.tracing import (
     StepError,
     check_loss,
@@ -171,6 +173,13 @@ class StepBuilder:
         ``self.global_step`` inside the step is ``state.step``, the updates done so far."""
         counters = {"global_step": state.step, "current_epoch": epoch}
         if self.manual:
+            pipe = active_pipeline()
+            if pipe is not None and pipe.stages > 1 and pipe.schedule == pipeline_1f1b.SCHEDULE:
+                raise StepError(
+                    "schedule='1f1b' computes training_step's gradients inside the pipeline schedule, which needs "
+                    "automatic optimization; with manual optimization (automatic_optimization = False) use "
+                    "schedule='gpipe' or 'circular'"
+                )
             aux = {"batch": batch, "batch_idx": batch_idx, "flush": flush, "counters": counters}
             state, outputs = self.update(state, None, aux)
             logs = outputs.pop("_logs")
@@ -178,7 +187,7 @@ class StepBuilder:
         prec = self.precision
         owner = type(self.module).__name__
 
-        def loss_fn(params):
+        def loss_fn(params, batch):
             bound = prec.compute(params)
             models = prec.bind(merge_models(self.parts, bound, state.model_state, train=True))
             col = Collector("train", self._rows(batch), on_step=True, on_epoch=False)
@@ -199,8 +208,18 @@ class StepBuilder:
             self.log_specs["train"] = col.specs
             return loss.astype(jnp.float32), (extras, col.values, rest, written)
 
-        traced = lambda params: self.axes.call(loss_fn, owner, "training_step", params)
-        (loss, (extras, logs, rest, written)), grads = jax.value_and_grad(traced, has_aux=True)(state.params)
+        traced = lambda params, batch: self.axes.call(loss_fn, owner, "training_step", params, batch)
+        pipe = active_pipeline()
+        if pipe is not None and pipe.stages > 1 and pipe.schedule == pipeline_1f1b.SCHEDULE:
+            # the loss per microbatch inside the pipeline schedule (jaxlight/strategies/pipeline_1f1b.py)
+            stack_keys = frozenset(stack_params(state.params, self.parts.params.variables))
+            (loss, (extras, logs, rest, written)), grads = pipeline_1f1b.value_and_grad(
+                traced, state.params, batch, state.model_state, stack_keys, pipe
+            )
+            logs = pipeline_1f1b.combine_logs(logs, self.log_specs.get("train", {}))
+        else:
+            grad_fn = jax.value_and_grad(lambda params: traced(params, batch), has_aux=True)
+            (loss, (extras, logs, rest, written)), grads = grad_fn(state.params)
         aux = {"loss": loss, "rest": rest, "flush": flush, "written": written}
         state, more = self.update(state, grads, aux)
         return state, {"loss": loss, **extras, **more}, logs

@@ -20,6 +20,7 @@ import jax
 from flax import nnx
 
 from jaxlight.state import logical_axes
+from jaxlight.strategies import pipeline_1f1b
 from jaxlight.strategies.pipeline import (
     STACK_AXIS,
     RematPolicy,
@@ -102,7 +103,9 @@ class LayerStack(nnx.Module):
             return out, nnx.state(mod, nnx.Not(nnx.Param))
 
         cfg = active_pipeline()
-        if cfg is not None and cfg.stages > 1:
+        if cfg is not None and cfg.stages > 1 and cfg.schedule == pipeline_1f1b.SCHEDULE:
+            y, rest = pipeline_1f1b.stack_call(layer, params, rest, x, args, kwargs, cfg, policy)
+        elif cfg is not None and cfg.stages > 1:
             y, rest = run_pipeline(layer, params, rest, x, args, kwargs, cfg, policy)
         else:
             y, rest = scan_layers(layer, params, rest, x, args, kwargs, policy)

@@ -1,5 +1,8 @@
 """Pipeline parallelism: the ``"pp"`` piece and the GPipe / circular schedules.
 
+(The 1F1B schedule, which interleaves forward and backward, is ``pipeline_1f1b.py``;
+this module dispatches to it.)
+
 :class:`PipelineParallel` sets the ``stage`` mesh axis and the rule
 ``("layers", "stage")``, so the leading ``layers`` dimension of every
 :class:`jaxlight.nn.LayerStack` variable is split over the stages: each device
@@ -53,7 +56,7 @@ STACK_AXIS = "layers"
 """Logical name of the leading dimension of LayerStack variables."""
 STAGE_AXIS = "stage"
 """Mesh axis that holds pipeline stages."""
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 RematPolicy = Union[str, Callable[..., Any], None]  # noqa: UP007 - a runtime alias
 REMAT_POLICIES: dict[str, Callable[..., Any]] = {
@@ -139,10 +142,14 @@ class PipelineParallel(Piece):
             Microbatch ``m`` takes batch rows ``m, m+M, m+2M, ...``, so rows
             stay on the data shards that hold them; each data shard's rows
             must divide by ``M``.
-        schedule: ``"gpipe"`` (every microbatch crosses the stages once) or
+        schedule: ``"gpipe"`` (every microbatch crosses the stages once),
             ``"circular"`` (``repeats`` passes over the stages, each stage
             holding ``repeats`` non-adjacent layer chunks: bubble
-            ``(S-1)/(R*M+S-1)``).
+            ``(S-1)/(R*M+S-1)``) or ``"1f1b"`` (GPipe's order and bubble, the
+            backward of each microbatch starting once its forward left the
+            last stage: a stage keeps at most ``min(M, 2S-1)`` microbatches'
+            stage inputs instead of ``M`` microbatches' activations; see
+            ``jaxlight/strategies/pipeline_1f1b.py``).
         repeats: passes over the stages (``R``); more than 1 needs ``"circular"``.
 
     Guarantees: the stack's parameters, gradients and optimizer state are
@@ -175,6 +182,11 @@ class PipelineParallel(Piece):
             raise ValueError(f"unknown pipeline schedule {schedule!r}; schedules are {SCHEDULES}")
         if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
             raise ValueError(f"PipelineParallel repeats must be a positive int, got {repeats!r}")
+        if repeats > 1 and schedule == "1f1b":
+            raise ValueError(
+                f"repeats={repeats} with schedule='1f1b' is interleaved 1F1B, which is not implemented; use "
+                f"schedule='1f1b' with repeats=1, or schedule='circular' for repeated passes"
+            )
         if repeats > 1 and schedule != "circular":
             raise ValueError(
                 f"repeats={repeats} needs schedule='circular' (GPipe passes each microbatch over the stages once)"

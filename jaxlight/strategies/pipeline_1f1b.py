@@ -1,0 +1,444 @@
+"""The 1F1B pipeline schedule (``PipelineParallel(schedule="1f1b")``): forward and backward interleaved.
+
+GPipe and circular (``pipeline.py``) run the forward schedule as a scan and let
+autodiff of that scan produce the backward: every microbatch's activations live
+until the backward starts. In 1F1B a stage starts the backward of a microbatch
+as soon as its forward has left the last stage, so a stage holds the inputs of
+a bounded number of microbatches whatever ``M`` is. Autodiff of a forward scan
+cannot interleave, so this module runs both directions explicitly, inside one
+SPMD program (``shard_map`` manual over ``stage``, the other axes under GSPMD).
+
+**Splitting ``training_step``.** The loss of a microbatch must be known when its
+forward leaves the last stage, so the step's loss function (the trainer's
+forward, ``forward(params, batch) -> (loss, aux)``) is traced three ways, each
+time with the LayerStack call playing another role (:func:`stack_call`):
+
+1. *capture*: the step runs until its (first) LayerStack call, which hands over
+   its input ``x``, its parameters and state and its extra arguments, and stops
+   the trace. ``jax.vjp`` of that prefix (``pre``) maps the cotangents of ``x``
+   and of the stack's parameters back to the flat parameter dict: the layers
+   before the stack get their gradients, and the stack's gradients land at their
+   own paths (through the precision's casts).
+2. *post*: inside the schedule, the last stage re-runs ``training_step`` on one
+   microbatch of the batch, the LayerStack call returning that microbatch's
+   stack output ``y_mb``; the value and gradient of ``loss_mb / M`` with respect to
+   ``y_mb`` and the parameters outside the stack are taken right there. The prefix
+   is dead code in this trace (the stack ignores its input) and is compiled away.
+3. *finalize*: after the schedule, the step is traced once more on the whole
+   batch with the stack call installing its new non-parameter state (dropout
+   counters, running statistics); only that state is read from it.
+
+The step's loss is the mean of the microbatches' losses, the gradients those of
+that mean (as gradient accumulation defines them): for a loss that is a mean over
+rows this is the full batch's loss. Values logged with ``self.log`` and scalar
+outputs are combined over microbatches by their ``reduce_fx`` (mean, sum, max,
+min). Refused by name: a training_step without a LayerStack call or with more
+than one, float extra arguments to the stack (they would get no gradient), batch
+leaves whose rows do not match the stack input's, non-parameter state changed
+outside the stack, parameters assigned in the step, non-scalar outputs, and
+manual optimization. What runs after the stack must treat rows independently
+(a per-row head and a per-row loss averaged over rows); this is the contract,
+not something the trace can check.
+
+**The schedule.** Stage ``s`` runs the forward of microbatch ``f = t - s`` and
+the backward of microbatch ``b = t - (2S - 2 - s)`` at tick ``t`` (each when in
+range): the last stage does the forward, the loss and the backward of a
+microbatch in one tick, and a cotangent takes one tick per stage back. Ticks
+``[0, S-1)`` have no backward work anywhere and ticks ``[M+S-1, M+2S-2)`` no
+forward work, so the program is three scans (warm-up: forward only, ``S-1``
+ticks; steady: forward, loss and backward, ``M`` ticks; cool-down: backward
+only, ``S-1`` ticks) and every stage spends ``(S-1)/(M+S-1)`` of its forward and
+of its backward slots idle: GPipe's bubble. A stage stores its input
+``h`` (and the stack state it ran with) in a ring of ``K = min(M, 2S-1)`` slots at
+the forward and recomputes its layer chunk with ``jax.vjp`` at the backward, so
+the activation memory is ``K`` stage inputs plus one microbatch's residuals,
+instead of GPipe's ``M`` microbatches' residuals; the price is one more forward
+of the stage per microbatch (what ``remat="full"`` costs GPipe). Stage ``s``
+holds ``2(S-1-s)+1`` microbatches at once (asynchronous 1F1B holds ``S - s``: it
+alternates one forward and one backward per time unit, while one SPMD tick runs
+a forward and a backward on every stage, so a round trip from stage ``s`` takes
+``2(S-1-s)+1`` ticks of forwards; holding ``S`` would need ticks of one
+operation each, half of them idle on every stage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxlight.strategies.pipeline import (
+    STAGE_AXIS,
+    LayerFn,
+    PipelineConfig,
+    _check_microbatches,
+    _check_rows,
+    _from_micro,
+    _to_micro,
+    pipeline_context,
+    run_pipeline,
+    scan_layers,
+)
+from jaxlight.strategies.rules import BATCH_AXES
+
+ForwardFn = Callable[[Mapping[str, Any], Any], tuple[jax.Array, tuple[dict, dict, dict, dict]]]
+"""The trainer's loss function: ``forward(params, batch) -> (loss, (extras, logs, rest, written))``."""
+
+SCHEDULE = "1f1b"
+
+
+def slots(stages: int, microbatches: int) -> int:
+    """Stage inputs a stage keeps at most: ``min(M, 2S - 1)``."""
+    return min(microbatches, 2 * stages - 1)
+
+
+def ticks(stages: int, microbatches: int) -> tuple[int, int, int]:
+    """``(warm-up, steady, cool-down)`` ticks: ``(S-1, M, S-1)``."""
+    return stages - 1, microbatches, stages - 1
+
+
+def in_flight(stages: int, microbatches: int) -> list[int]:
+    """Microbatches each stage holds at once, by stage: ``min(M, 2(S-1-s)+1)``."""
+    return [min(microbatches, 2 * (stages - 1 - s) + 1) for s in range(stages)]
+
+
+# ---------------------------------------------------------------------------- the LayerStack's roles
+class _Captured(Exception):
+    """Stops the capture trace at the LayerStack call (caught by :func:`value_and_grad`)."""
+
+
+@dataclasses.dataclass
+class _Capture:
+    got: dict | None = None
+
+
+@dataclasses.dataclass
+class _Post:
+    y: jax.Array
+    calls: int = 0
+
+
+@dataclasses.dataclass
+class _Finalize:
+    rest: Any
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def _role(role: Any) -> Iterator[None]:
+    prev = getattr(_local, "role", None)
+    _local.role = role
+    try:
+        yield
+    finally:
+        _local.role = prev
+
+
+def stack_call(
+    layer: LayerFn,
+    params: Any,
+    rest: Any,
+    x: jax.Array,
+    args: tuple,
+    kwargs: dict,
+    cfg: PipelineConfig,
+    policy: Callable | None,
+) -> tuple[jax.Array, Any]:
+    """What a LayerStack call does under ``schedule="1f1b"``: ``(y, new rest)`` for the role of the trace.
+
+    Outside the train step's loss (evaluation: no backward pass) the stack runs
+    the GPipe forward schedule.
+    """
+    role = getattr(_local, "role", None)
+    if role is None:
+        return run_pipeline(layer, params, rest, x, args, kwargs, dataclasses.replace(cfg, schedule="gpipe"), policy)
+    if isinstance(role, _Capture):
+        role.got = dict(layer=layer, params=params, rest=rest, x=x, args=args, kwargs=kwargs, policy=policy)
+        raise _Captured
+    if isinstance(role, _Post):
+        role.calls += 1
+        if role.calls > 1:
+            raise ValueError(
+                f"schedule='1f1b' pipelines one LayerStack per training_step, and this training_step called "
+                f"{role.calls} after the first one's output: the schedule computes the loss of a microbatch on the "
+                f"last stage right after the stack, so everything after it must be outside any stack; use "
+                f"schedule='gpipe' or 'circular', or one LayerStack"
+            )
+        if role.y.shape != x.shape or role.y.dtype != x.dtype:  # pragma: no cover - the capture gave these shapes
+            raise ValueError(f"LayerStack input changed between traces: {x.shape} {x.dtype} vs {role.y.shape}")
+        return role.y, rest
+    if isinstance(role, _Finalize):
+        return x, role.rest
+    raise AssertionError(role)  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------- the step's value and gradient
+def value_and_grad(
+    forward: ForwardFn,
+    params: dict[str, jax.Array],
+    batch: Any,
+    model_state: Mapping[str, Any],
+    stack_keys: frozenset[str],
+    cfg: PipelineConfig,
+) -> tuple[tuple[jax.Array, tuple[dict, dict, dict, dict]], dict[str, jax.Array]]:
+    """``jax.value_and_grad(forward, has_aux=True)(params)`` on ``batch``, computed by the 1F1B schedule.
+
+    ``model_state``: the non-parameter variables ``forward`` starts from (to
+    refuse changes outside the stack); ``stack_keys``: the parameter paths of
+    LayerStacks (the post part is not differentiated with respect to them).
+    Returns the mean of the microbatches' losses, its gradients, and the aux
+    ``(extras, logs, rest, written)`` with logs per microbatch stacked
+    (combine them with :func:`combine_logs`).
+    """
+    S, M = cfg.stages, cfg.microbatches
+    _check_microbatches(S, M, 1)
+
+    # 1. capture: the step up to the stack call
+    static: dict[str, Any] = {}
+
+    def pre(p):
+        cap = _Capture()
+        with _role(cap):
+            try:
+                forward(p, batch)
+            except _Captured:
+                pass
+        if cap.got is None:
+            raise ValueError(
+                "schedule='1f1b' pipelines the LayerStack that training_step calls, and this training_step called "
+                "none (it returned without calling a jaxlight.nn.LayerStack)"
+            )
+        got = cap.got
+        static.update(layer=got["layer"], policy=got["policy"])
+        a_leaves, static["a_def"] = jax.tree.flatten((got["args"], got["kwargs"]))
+        static["a_static"] = [a if not isinstance(a, (jax.Array, np.ndarray)) else None for a in a_leaves]
+        arrays = [a for a in a_leaves if isinstance(a, (jax.Array, np.ndarray))]
+        return (got["x"], got["params"]), (got["rest"], arrays)
+
+    (x, sp), pre_vjp, (sr, arg_arrays) = jax.vjp(pre, params, has_aux=True)
+    layer, policy = static["layer"], static["policy"]
+    if getattr(x, "ndim", 0) < 1:
+        raise ValueError(f"a pipelined LayerStack takes a batch (B, ...) as its first argument, got shape {x.shape}")
+    B = int(x.shape[0])
+    shards = math.prod(int(cfg.mesh.shape[a]) for a in BATCH_AXES)
+    _check_rows(f"LayerStack input {tuple(x.shape)}", B, shards, M)
+    for a in arg_arrays:
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            raise ValueError(
+                f"schedule='1f1b' passes a LayerStack's extra arguments to its stages as constants, and this call "
+                f"has a floating-point one {tuple(a.shape)} {a.dtype}, which would get no gradient; compute it "
+                f"inside the stacked layer, or use schedule='gpipe'"
+            )
+    kinds = ["row" if a.ndim >= 1 and a.shape[0] == B else "whole" for a in arg_arrays]
+    rows_in = [_to_micro(a, M) for a, kd in zip(arg_arrays, kinds) if kd == "row"]
+    whole_in = [a for a, kd in zip(arg_arrays, kinds) if kd == "whole"]
+
+    b_leaves, b_def = jax.tree.flatten(batch)
+    b_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
+    for path, a in zip(b_paths, b_leaves):
+        if getattr(a, "ndim", 0) >= 1 and a.shape[0] != B:
+            raise ValueError(
+                f"schedule='1f1b' splits the batch into microbatches row for row with the LayerStack input "
+                f"{tuple(x.shape)}, and batch leaf {path or '<root>'} {tuple(a.shape)} has {a.shape[0]} rows, not "
+                f"{B}; use schedule='gpipe', or a batch whose leaves all have the stack input's rows"
+            )
+    b_row = [getattr(a, "ndim", 0) >= 1 for a in b_leaves]
+    b_micro = [_to_micro(a, M) if r else a for a, r in zip(b_leaves, b_row)]
+
+    p_leaves, p_def = jax.tree.flatten(sp)
+    r_leaves, r_def = jax.tree.flatten(sr)
+    L = int(p_leaves[0].shape[0])
+    if L % S:
+        raise ValueError(f"LayerStack of {L} layers is not divisible by stages = {S}; use a multiple of {S}")
+    k = L // S
+    ns_keys = [key for key in params if key not in stack_keys]
+    p_ns = {key: params[key] for key in ns_keys}
+    dummies = {key: jax.ShapeDtypeStruct(params[key].shape, params[key].dtype) for key in params if key in stack_keys}
+
+    # 2. post: the step after the stack, for one microbatch
+    def post(pn, y, bmb):
+        full = {**pn, **{key: jnp.zeros(d.shape, d.dtype) for key, d in dummies.items()}}
+        role = _Post(y)
+        with pipeline_context(cfg), _role(role):  # (the schedule's stages run with neither)
+            loss, (extras, logs, rest, written) = forward(full, jax.tree.unflatten(b_def, bmb))
+        if role.calls == 0:
+            raise ValueError(
+                "schedule='1f1b': training_step called the LayerStack on the whole batch but not on a microbatch of "
+                "it; the part after the stack must depend on the batch row for row"
+            )
+        changed = sorted(key for key, v in rest.items() if v is not model_state.get(key))
+        if changed:
+            raise ValueError(
+                f"schedule='1f1b' runs training_step's layers outside the LayerStack once per microbatch (after "
+                f"the stack) or once per batch (before it), so they may not change non-parameter state; these "
+                f"changed: {changed[:5]}{' ...' if len(changed) > 5 else ''} (dropout or batch statistics outside "
+                f"the stack). Move them into the stacked layers, or use schedule='gpipe'"
+            )
+        if written:
+            raise ValueError(
+                f"schedule='1f1b' does not support training_step assigning parameters ({sorted(written)[:5]}); "
+                f"use schedule='gpipe'"
+            )
+        for name, v in extras.items():
+            if getattr(v, "shape", ()) != ():
+                raise ValueError(
+                    f"schedule='1f1b' combines training_step's outputs over microbatches and can only average "
+                    f"scalars; output {name!r} has shape {tuple(v.shape)}"
+                )
+        return loss / M, (loss, extras, logs)
+
+    perm_f = [(j, j + 1) for j in range(S - 1)]
+    perm_b = [(j + 1, j) for j in range(S - 1)]
+    K = slots(S, M)
+
+    def program(p_st, r_st, xs, rows, whole, bmb, pn):
+        with pipeline_context(None), _role(None):  # a LayerStack inside a stacked layer is a plain scan
+            return _program(p_st, r_st, xs, rows, whole, bmb, pn)
+
+    def _program(p_st, r_st, xs, rows, whole, bmb, pn):
+        s = lax.axis_index(STAGE_AXIS)
+        p_st = [a[0] for a in p_st]
+        r_st = [a[0] for a in r_st]
+        vary = lambda a: lax.pcast(a, STAGE_AXIS, to="varying")
+        # differentiate post with respect to a per-stage copy: the gradient of a stage-invariant input would be
+        # summed over the stages (the transpose of pcast), adding the other stages' masked-out work
+        pn = jax.tree.map(vary, pn)
+
+        def call_args(mb):
+            it_rows = iter([lax.dynamic_index_in_dim(a, mb, 0, keepdims=False) for a in rows])
+            it_whole = iter(whole)
+            arrays = [next(it_rows) if kd == "row" else next(it_whole) for kd in kinds]
+            it = iter(arrays)
+            leaves = [next(it) if a is None else a for a in static["a_static"]]
+            return jax.tree.unflatten(static["a_def"], leaves)
+
+        def stage_fn(p, r, h, mb):
+            c_args, c_kwargs = call_args(mb)
+            y, r_new = scan_layers(
+                layer, jax.tree.unflatten(p_def, p), jax.tree.unflatten(r_def, r), h, c_args, c_kwargs, policy
+            )
+            return y, jax.tree.leaves(r_new)
+
+        def sel(c, new, old):
+            return jax.tree.map(lambda n, o: jnp.where(c, n, o), new, old)
+
+        def tick(fwd, bwd, carry, t):
+            f_recv, b_recv, ring_h, ring_r, r_cur, g_st, g_ns, gx = carry
+            out = None
+            g_y = None
+            if fwd:
+                f = t - s
+                fvalid = (f >= 0) & (f < M)
+                fi = jnp.clip(f, 0, M - 1)
+                h = jnp.where(s == 0, lax.dynamic_index_in_dim(xs, fi, 0, keepdims=False), f_recv)
+                y, r_new = stage_fn(p_st, r_cur, h, fi)
+                slot = fi % K
+                put = lambda ring, v: lax.dynamic_update_index_in_dim(
+                    ring, jnp.where(fvalid, v, lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False)), slot, 0
+                )
+                ring_h = put(ring_h, h)
+                ring_r = [put(a, v) for a, v in zip(ring_r, r_cur)]
+                r_cur = sel(fvalid, r_new, r_cur)
+                if bwd:  # steady phase: the last stage's forward leaves the pipeline now
+                    bm = [lax.dynamic_index_in_dim(a, fi, 0, keepdims=False) if r else a for a, r in zip(bmb, b_row)]
+                    (_, (loss, extras, logs)), (g_pn, g_y) = jax.value_and_grad(post, argnums=(0, 1), has_aux=True)(
+                        pn, y, bm
+                    )
+                    last = fvalid & (s == S - 1)
+                    g_ns = jax.tree.map(lambda acc, g: acc + jnp.where(last, g, jnp.zeros_like(g)), g_ns, g_pn)
+                    out = jax.tree.map(lambda v: jnp.where(last, v, jnp.zeros_like(v)), (loss, extras, logs))
+                f_recv = lax.ppermute(y, STAGE_AXIS, perm_f)
+            if bwd:
+                b = t - (2 * S - 2 - s)
+                bvalid = (b >= 0) & (b < M)
+                bi = jnp.clip(b, 0, M - 1)
+                g = b_recv if g_y is None else jnp.where(s == S - 1, g_y.astype(b_recv.dtype), b_recv)
+                h_b = lax.dynamic_index_in_dim(ring_h, bi % K, 0, keepdims=False)
+                r_b = [lax.dynamic_index_in_dim(a, bi % K, 0, keepdims=False) for a in ring_r]
+                _, vjp = jax.vjp(lambda p, hh: stage_fn(p, r_b, hh, bi)[0], p_st, h_b)
+                g_p, g_h = vjp(g)
+                g_st = [acc + jnp.where(bvalid, gp, jnp.zeros_like(gp)) for acc, gp in zip(g_st, g_p)]
+                at0 = bvalid & (s == 0)
+                gx = lax.dynamic_update_index_in_dim(
+                    gx, jnp.where(at0, g_h, lax.dynamic_index_in_dim(gx, bi, 0, keepdims=False)), bi, 0
+                )
+                b_recv = lax.ppermute(g_h, STAGE_AXIS, perm_b)
+            return (f_recv, b_recv, ring_h, ring_r, r_cur, g_st, g_ns, gx), out
+
+        zero_mb = vary(jnp.zeros_like(xs[0]))
+        carry = (
+            zero_mb,
+            zero_mb,
+            vary(jnp.zeros((K,) + xs.shape[1:], xs.dtype)),
+            [jnp.stack([a] * K) for a in r_st],
+            r_st,
+            [vary(jnp.zeros(a.shape, a.dtype)) for a in p_st],
+            jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), pn),
+            vary(jnp.zeros_like(xs)),
+        )
+        warm, steady, cool = ticks(S, M)
+        carry, _ = lax.scan(lambda c, t: tick(True, False, c, t), carry, jnp.arange(0, warm))
+        carry, outs = lax.scan(lambda c, t: tick(True, True, c, t), carry, jnp.arange(warm, warm + steady))
+        carry, _ = lax.scan(lambda c, t: tick(False, True, c, t), carry, jnp.arange(warm + steady, M + 2 * S - 2))
+        _, _, _, _, r_cur, g_st, g_ns, gx = carry
+        outs = lax.psum(outs, STAGE_AXIS)  # only the last stage's are non-zero
+        g_ns = lax.psum(g_ns, STAGE_AXIS)
+        gx = lax.psum(gx, STAGE_AXIS)  # only stage 0's are non-zero
+        return outs, g_ns, gx, [a[None] for a in g_st], [a[None] for a in r_cur]
+
+    def to_stages(a):  # [L, ...] -> [S, k, ...]: stage s holds layers [s*k, (s+1)*k)
+        return a.reshape((S, k) + a.shape[1:])
+
+    staged = jax.shard_map(
+        program,
+        mesh=cfg.mesh,
+        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), P(), P(), P(), P(), P()),
+        out_specs=(P(), P(), P(), P(STAGE_AXIS), P(STAGE_AXIS)),
+        axis_names={STAGE_AXIS},
+    )
+    (losses, extras, logs), g_ns, gx, g_st, r_out = staged(
+        [to_stages(a) for a in p_leaves],
+        [to_stages(a) for a in r_leaves],
+        _to_micro(x, M),
+        rows_in,
+        whole_in,
+        b_micro,
+        p_ns,
+    )
+    g_sp = jax.tree.unflatten(p_def, [a.reshape((L,) + a.shape[2:]).astype(p.dtype) for a, p in zip(g_st, p_leaves)])
+    (grads,) = pre_vjp((_from_micro(gx).astype(x.dtype), g_sp))
+    grads = {key: (g + g_ns[key].astype(g.dtype)) if key in g_ns else g for key, g in grads.items()}
+    new_rest = jax.tree.unflatten(r_def, [a.reshape((L,) + a.shape[2:]) for a in r_out])
+
+    # 3. finalize: the step's non-parameter state with the stack's new state installed
+    with _role(_Finalize(new_rest)):
+        _, (_, _, rest, _) = forward(params, batch)
+    loss = jnp.mean(losses)
+    extras = {name: jnp.mean(v, axis=0).astype(v.dtype) for name, v in extras.items()}
+    return (loss, (extras, logs, rest, {})), grads
+
+
+def combine_logs(logs: Mapping[str, tuple[jax.Array, jax.Array]], specs: Mapping[str, Any]) -> dict[str, tuple]:
+    """Values logged once per microbatch (``{name: (values[M], weights[M])}``) as one step's values, by each
+    log's ``reduce_fx``: the mean of the microbatches' values (all have the same rows), their sum, max or min,
+    with the summed weight (the batch's rows)."""
+    out = {}
+    for name, (v, w) in logs.items():
+        fx = getattr(specs.get(name), "reduce_fx", "mean")
+        red = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}.get(fx, jnp.mean)
+        out[name] = (red(v, axis=0), jnp.sum(w, axis=0))
+    return out
+
+
+__all__ = ["SCHEDULE", "combine_logs", "in_flight", "slots", "stack_call", "ticks", "value_and_grad"]
