@@ -8,7 +8,9 @@ layers in order. Outside a pipeline it is a ``lax.scan`` over that dimension,
 so the layer body is traced and compiled once whatever the depth; under the
 ``"pp"`` strategy (:class:`jaxlight.strategies.PipelineParallel`) the trainer
 traces the step inside the pipeline's context and the stack runs as a
-pipeline over the ``stage`` mesh axis instead, with the same result.
+pipeline over the ``stage`` mesh axis instead, with the same result (under
+``schedule="1f1b"`` the call plays the role the train step's trace gives it:
+``jaxlight/strategies/pipeline_1f1b.py``).
 """
 
 from __future__ import annotations

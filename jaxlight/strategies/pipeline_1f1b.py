@@ -171,9 +171,9 @@ def stack_call(
         if role.calls > 1:
             raise ValueError(
                 f"schedule='1f1b' pipelines one LayerStack per training_step, and this training_step called "
-                f"{role.calls} after the first one's output: the schedule computes the loss of a microbatch on the "
-                f"last stage right after the stack, so everything after it must be outside any stack; use "
-                f"schedule='gpipe' or 'circular', or one LayerStack"
+                f"{role.calls} (LayerStack call {role.calls} came after the first one's output): the schedule "
+                f"computes a microbatch's loss on the last stage right after the pipelined stack, so what follows "
+                f"it cannot be another stack; use schedule='gpipe' or 'circular', or one LayerStack"
             )
         if role.y.shape != x.shape or role.y.dtype != x.dtype:  # pragma: no cover - the capture gave these shapes
             raise ValueError(f"LayerStack input changed between traces: {x.shape} {x.dtype} vs {role.y.shape}")
