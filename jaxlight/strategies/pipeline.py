@@ -150,7 +150,8 @@ class PipelineParallel(Piece):
             last stage: a stage keeps at most ``min(M, 2S-1)`` microbatches'
             stage inputs instead of ``M`` microbatches' activations; see
             ``jaxlight/strategies/pipeline_1f1b.py``).
-        repeats: passes over the stages (``R``); more than 1 needs ``"circular"``.
+        repeats: passes over the stages (``R``); more than 1 needs ``"circular"``
+            or ``"1f1b"`` (interleaved 1F1B: microbatches in groups of ``S``).
 
     Guarantees: the stack's parameters, gradients and optimizer state are
     split over ``stage`` (1/S per device) and are never all-gathered over it;
@@ -182,17 +183,17 @@ class PipelineParallel(Piece):
             raise ValueError(f"unknown pipeline schedule {schedule!r}; schedules are {SCHEDULES}")
         if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
             raise ValueError(f"PipelineParallel repeats must be a positive int, got {repeats!r}")
-        if repeats > 1 and schedule == "1f1b":
+        if repeats > 1 and schedule == "gpipe":
             raise ValueError(
-                f"repeats={repeats} with schedule='1f1b' is interleaved 1F1B, which is not implemented; use "
-                f"schedule='1f1b' with repeats=1, or schedule='circular' for repeated passes"
-            )
-        if repeats > 1 and schedule != "circular":
-            raise ValueError(
-                f"repeats={repeats} needs schedule='circular' (GPipe passes each microbatch over the stages once)"
+                f"repeats={repeats} needs schedule='circular' or '1f1b' (GPipe passes each microbatch over the "
+                f"stages once)"
             )
         if stages is not None and microbatches is not None:
             _check_microbatches(stages, microbatches, repeats)
+            if schedule == "1f1b":
+                from jaxlight.strategies.pipeline_1f1b import check_groups  # (it imports this module)
+
+                check_groups(stages, microbatches, repeats)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "microbatches", microbatches)
         object.__setattr__(self, "schedule", schedule)

@@ -96,19 +96,36 @@ ForwardFn = Callable[[Mapping[str, Any], Any], tuple[jax.Array, tuple[dict, dict
 SCHEDULE = "1f1b"
 
 
-def slots(stages: int, microbatches: int) -> int:
-    """Stage inputs a stage keeps at most: ``min(M, 2S - 1)``."""
-    return min(microbatches, 2 * stages - 1)
+def slots(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Stage inputs a stage keeps at most: ``min(R*M, 2*R*S - 1)``."""
+    return min(repeats * microbatches, 2 * repeats * stages - 1)
 
 
-def ticks(stages: int, microbatches: int) -> tuple[int, int, int]:
-    """``(warm-up, steady, cool-down)`` ticks: ``(S-1, M, S-1)``."""
-    return stages - 1, microbatches, stages - 1
+def ticks(stages: int, microbatches: int, repeats: int = 1) -> tuple[int, int, int]:
+    """``(warm-up, steady, cool-down)`` ticks: ``(R*S - 1, R*(M-S) + S, R*S - 1)`` (``(S-1, M, S-1)`` for R = 1)."""
+    S, M, R = stages, microbatches, repeats
+    return R * S - 1, R * (M - S) + S, R * S - 1
 
 
-def in_flight(stages: int, microbatches: int) -> list[int]:
-    """Microbatches each stage holds at once, by stage: ``min(M, 2(S-1-s)+1)``."""
-    return [min(microbatches, 2 * (stages - 1 - s) + 1) for s in range(stages)]
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle share of a stage's forward slots (and of its backward slots), counted from :func:`ticks`."""
+    warm, steady, _ = ticks(stages, microbatches, repeats)
+    return 1 - repeats * microbatches / (warm + steady)
+
+
+def in_flight(stages: int, microbatches: int, repeats: int = 1) -> list[int]:
+    """Stage inputs each stage holds at once, by stage: ``min(R*M, 2*R*S - 1 - 2s)``."""
+    return [min(repeats * microbatches, 2 * repeats * stages - 1 - 2 * s) for s in range(stages)]
+
+
+def check_groups(stages: int, microbatches: int, repeats: int) -> None:
+    """Interleaved 1F1B runs microbatches in groups of ``stages``: refuse an ``M`` they do not divide."""
+    if repeats > 1 and microbatches % stages:
+        raise ValueError(
+            f"schedule='1f1b' with repeats={repeats} (interleaved) runs microbatches in groups of stages={stages}, "
+            f"and microbatches={microbatches} is not a multiple of {stages}; use e.g. microbatches="
+            f"{stages * max(1, -(-microbatches // stages))}"
+        )
 
 
 # ---------------------------------------------------------------------------- the LayerStack's roles
@@ -201,8 +218,9 @@ def value_and_grad(
     ``(extras, logs, rest, written)`` with logs per microbatch stacked
     (combine them with :func:`combine_logs`).
     """
-    S, M = cfg.stages, cfg.microbatches
-    _check_microbatches(S, M, 1)
+    S, M, R = cfg.stages, cfg.microbatches, cfg.repeats
+    _check_microbatches(S, M, R)
+    check_groups(S, M, R)
 
     # 1. capture: the step up to the stack call
     static: dict[str, Any] = {}
@@ -259,9 +277,12 @@ def value_and_grad(
     p_leaves, p_def = jax.tree.flatten(sp)
     r_leaves, r_def = jax.tree.flatten(sr)
     L = int(p_leaves[0].shape[0])
-    if L % S:
-        raise ValueError(f"LayerStack of {L} layers is not divisible by stages = {S}; use a multiple of {S}")
-    k = L // S
+    if L % (S * R):
+        raise ValueError(
+            f"LayerStack of {L} layers is not divisible by stages x repeats = {S} x {R} = {S * R}; use a depth "
+            f"that is a multiple of {S * R}"
+        )
+    k = L // (S * R)
     ns_keys = [key for key in params if key not in stack_keys]
     p_ns = {key: params[key] for key in ns_keys}
     dummies = {key: jax.ShapeDtypeStruct(params[key].shape, params[key].dtype) for key in params if key in stack_keys}
@@ -298,9 +319,21 @@ def value_and_grad(
                 )
         return loss / M, (loss, extras, logs)
 
-    perm_f = [(j, j + 1) for j in range(S - 1)]
-    perm_b = [(j + 1, j) for j in range(S - 1)]
-    K = slots(S, M)
+    # R > 1 (interleaved): virtual stage v = r*S + s (layer chunk v) lives on stage s; items go by groups of S
+    # microbatches, each group making its R passes before the next group starts
+    V, n = R * S, R * M
+    T0 = V - 1  # first backward tick (the last virtual stage's loss of microbatch 0)
+    wrap = [(S - 1, 0)] if R > 1 else []
+    perm_f = [(j, j + 1) for j in range(S - 1)] + wrap
+    perm_b = [(j + 1, j) for j in range(S - 1)] + [(b, a) for a, b in wrap]
+    K = slots(S, M, R)
+
+    def forward_item(i):  # forward item i -> (pass, microbatch)
+        return (i % V) // S, (i // V) * S + i % S
+
+    def backward_item(j):  # backward item j -> (pass, microbatch, forward item of the same work)
+        r = R - 1 - (j % V) // S
+        return r, (j // V) * S + j % S, (j // V) * V + r * S + j % S
 
     def program(p_st, r_st, xs, rows, whole, bmb, pn):
         with pipeline_context(None), _role(None):  # a LayerStack inside a stacked layer is a plain scan
@@ -308,15 +341,19 @@ def value_and_grad(
 
     def _program(p_st, r_st, xs, rows, whole, bmb, pn):
         s = lax.axis_index(STAGE_AXIS)
-        p_st = [a[0] for a in p_st]
+        p_st = [a[0] for a in p_st]  # [R, k, ...]: this stage's layer chunk of each pass
         r_st = [a[0] for a in r_st]
         vary = lambda a: lax.pcast(a, STAGE_AXIS, to="varying")
         # differentiate post with respect to a per-stage copy: the gradient of a stage-invariant input would be
         # summed over the stages (the transpose of pcast), adding the other stages' masked-out work
         pn = jax.tree.map(vary, pn)
+        at = lambda a, i: lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+        def put(a, i, v, c):  # a[i] = v where c
+            return lax.dynamic_update_index_in_dim(a, jnp.where(c, v, at(a, i)), i, 0)
 
         def call_args(mb):
-            it_rows = iter([lax.dynamic_index_in_dim(a, mb, 0, keepdims=False) for a in rows])
+            it_rows = iter([at(a, mb) for a in rows])
             it_whole = iter(whole)
             arrays = [next(it_rows) if kd == "row" else next(it_whole) for kd in kinds]
             it = iter(arrays)
@@ -330,49 +367,46 @@ def value_and_grad(
             )
             return y, jax.tree.leaves(r_new)
 
-        def sel(c, new, old):
-            return jax.tree.map(lambda n, o: jnp.where(c, n, o), new, old)
-
         def tick(fwd, bwd, carry, t):
             f_recv, b_recv, ring_h, ring_r, r_cur, g_st, g_ns, gx = carry
             out = None
             g_y = None
             if fwd:
-                f = t - s
-                fvalid = (f >= 0) & (f < M)
-                fi = jnp.clip(f, 0, M - 1)
-                h = jnp.where(s == 0, lax.dynamic_index_in_dim(xs, fi, 0, keepdims=False), f_recv)
-                y, r_new = stage_fn(p_st, r_cur, h, fi)
-                slot = fi % K
-                put = lambda ring, v: lax.dynamic_update_index_in_dim(
-                    ring, jnp.where(fvalid, v, lax.dynamic_index_in_dim(ring, slot, 0, keepdims=False)), slot, 0
-                )
-                ring_h = put(ring_h, h)
-                ring_r = [put(a, v) for a, v in zip(ring_r, r_cur)]
-                r_cur = sel(fvalid, r_new, r_cur)
-                if bwd:  # steady phase: the last stage's forward leaves the pipeline now
-                    bm = [lax.dynamic_index_in_dim(a, fi, 0, keepdims=False) if r else a for a, r in zip(bmb, b_row)]
+                i = t - s
+                fvalid = (i >= 0) & (i < n)
+                i = jnp.clip(i, 0, n - 1)
+                r, m = forward_item(i)
+                h = jnp.where((s == 0) & (r == 0), at(xs, m), f_recv)
+                r_in = [at(a, r) for a in r_cur]
+                y, r_new = stage_fn([at(a, r) for a in p_st], r_in, h, m)
+                ring_h = put(ring_h, i % K, h, fvalid)
+                ring_r = [put(a, i % K, v, fvalid) for a, v in zip(ring_r, r_in)]
+                r_cur = [put(a, r, v, fvalid) for a, v in zip(r_cur, r_new)]
+                if bwd:  # steady phase: a microbatch may leave the last virtual stage now
+                    bm = [at(a, m) if row else a for a, row in zip(bmb, b_row)]
                     (_, (loss, extras, logs)), (g_pn, g_y) = jax.value_and_grad(post, argnums=(0, 1), has_aux=True)(
                         pn, y, bm
                     )
-                    last = fvalid & (s == S - 1)
+                    last = fvalid & (s == S - 1) & (r == R - 1)
                     g_ns = jax.tree.map(lambda acc, g: acc + jnp.where(last, g, jnp.zeros_like(g)), g_ns, g_pn)
-                    out = jax.tree.map(lambda v: jnp.where(last, v, jnp.zeros_like(v)), (loss, extras, logs))
+                    out = jax.tree.map(
+                        lambda v: jnp.where(last, v, jnp.zeros_like(v)), (last.astype(jnp.int32), m, loss, extras, logs)
+                    )
                 f_recv = lax.ppermute(y, STAGE_AXIS, perm_f)
             if bwd:
-                b = t - (2 * S - 2 - s)
-                bvalid = (b >= 0) & (b < M)
-                bi = jnp.clip(b, 0, M - 1)
-                g = b_recv if g_y is None else jnp.where(s == S - 1, g_y.astype(b_recv.dtype), b_recv)
-                h_b = lax.dynamic_index_in_dim(ring_h, bi % K, 0, keepdims=False)
-                r_b = [lax.dynamic_index_in_dim(a, bi % K, 0, keepdims=False) for a in ring_r]
-                _, vjp = jax.vjp(lambda p, hh: stage_fn(p, r_b, hh, bi)[0], p_st, h_b)
+                j = t - T0 - (S - 1 - s)
+                bvalid = (j >= 0) & (j < n)
+                j = jnp.clip(j, 0, n - 1)
+                r, m, i = backward_item(j)
+                g = b_recv
+                if g_y is not None:
+                    g = jnp.where((s == S - 1) & (r == R - 1), g_y.astype(b_recv.dtype), b_recv)
+                h_b = at(ring_h, i % K)
+                r_b = [at(a, i % K) for a in ring_r]
+                _, vjp = jax.vjp(lambda p, hh: stage_fn(p, r_b, hh, m)[0], [at(a, r) for a in p_st], h_b)
                 g_p, g_h = vjp(g)
-                g_st = [acc + jnp.where(bvalid, gp, jnp.zeros_like(gp)) for acc, gp in zip(g_st, g_p)]
-                at0 = bvalid & (s == 0)
-                gx = lax.dynamic_update_index_in_dim(
-                    gx, jnp.where(at0, g_h, lax.dynamic_index_in_dim(gx, bi, 0, keepdims=False)), bi, 0
-                )
+                g_st = [put(acc, r, at(acc, r) + gp, bvalid) for acc, gp in zip(g_st, g_p)]
+                gx = put(gx, m, g_h, bvalid & (s == 0) & (r == 0))
                 b_recv = lax.ppermute(g_h, STAGE_AXIS, perm_b)
             return (f_recv, b_recv, ring_h, ring_r, r_cur, g_st, g_ns, gx), out
 
@@ -381,24 +415,29 @@ def value_and_grad(
             zero_mb,
             zero_mb,
             vary(jnp.zeros((K,) + xs.shape[1:], xs.dtype)),
-            [jnp.stack([a] * K) for a in r_st],
+            [jnp.stack([a[0]] * K) for a in r_st],
             r_st,
             [vary(jnp.zeros(a.shape, a.dtype)) for a in p_st],
             jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), pn),
             vary(jnp.zeros_like(xs)),
         )
-        warm, steady, cool = ticks(S, M)
+        warm, steady, cool = ticks(S, M, R)
         carry, _ = lax.scan(lambda c, t: tick(True, False, c, t), carry, jnp.arange(0, warm))
         carry, outs = lax.scan(lambda c, t: tick(True, True, c, t), carry, jnp.arange(warm, warm + steady))
-        carry, _ = lax.scan(lambda c, t: tick(False, True, c, t), carry, jnp.arange(warm + steady, M + 2 * S - 2))
+        carry, _ = lax.scan(
+            lambda c, t: tick(False, True, c, t), carry, jnp.arange(warm + steady, warm + steady + cool)
+        )
         _, _, _, _, r_cur, g_st, g_ns, gx = carry
         outs = lax.psum(outs, STAGE_AXIS)  # only the last stage's are non-zero
         g_ns = lax.psum(g_ns, STAGE_AXIS)
         gx = lax.psum(gx, STAGE_AXIS)  # only stage 0's are non-zero
         return outs, g_ns, gx, [a[None] for a in g_st], [a[None] for a in r_cur]
 
-    def to_stages(a):  # [L, ...] -> [S, k, ...]: stage s holds layers [s*k, (s+1)*k)
-        return a.reshape((S, k) + a.shape[1:])
+    def to_stages(a):  # [L, ...] -> [S, R, k, ...]: stage s, pass r holds layer chunk r*S + s
+        return jnp.swapaxes(a.reshape((R, S, k) + a.shape[1:]), 0, 1)
+
+    def from_stages(a):
+        return jnp.swapaxes(a, 0, 1).reshape((L,) + a.shape[3:])
 
     staged = jax.shard_map(
         program,
@@ -407,7 +446,7 @@ def value_and_grad(
         out_specs=(P(), P(), P(), P(STAGE_AXIS), P(STAGE_AXIS)),
         axis_names={STAGE_AXIS},
     )
-    (losses, extras, logs), g_ns, gx, g_st, r_out = staged(
+    (done, mb, losses, extras, logs), g_ns, gx, g_st, r_out = staged(
         [to_stages(a) for a in p_leaves],
         [to_stages(a) for a in r_leaves],
         _to_micro(x, M),
@@ -416,10 +455,14 @@ def value_and_grad(
         b_micro,
         p_ns,
     )
-    g_sp = jax.tree.unflatten(p_def, [a.reshape((L,) + a.shape[2:]).astype(p.dtype) for a, p in zip(g_st, p_leaves)])
+    # the steady ticks at which a microbatch left the last virtual stage, in microbatch order
+    where_m = jnp.where(done > 0, mb, M)
+    by_m = lambda v: jnp.zeros((M + 1,) + v.shape[1:], v.dtype).at[where_m].set(v)[:M]
+    losses, extras, logs = jax.tree.map(by_m, (losses, extras, logs))
+    g_sp = jax.tree.unflatten(p_def, [from_stages(a).astype(p.dtype) for a, p in zip(g_st, p_leaves)])
     (grads,) = pre_vjp((_from_micro(gx).astype(x.dtype), g_sp))
     grads = {key: (g + g_ns[key].astype(g.dtype)) if key in g_ns else g for key, g in grads.items()}
-    new_rest = jax.tree.unflatten(r_def, [a.reshape((L,) + a.shape[2:]) for a in r_out])
+    new_rest = jax.tree.unflatten(r_def, [from_stages(a) for a in r_out])
 
     # 3. finalize: the step's non-parameter state with the stack's new state installed
     with _role(_Finalize(new_rest)):
