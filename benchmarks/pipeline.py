@@ -7,7 +7,8 @@ same model unpipelined (data parallel) on the same S devices; the bubble the sch
 SPMD pipeline, idle ticks included, so the extra time over data parallel is the bubble plus the
 pipeline's communication); per-device bytes of parameters + optimizer state.
 
-Table 2 (per schedule, S=4 by default): GPipe, circular (R=2) and 1F1B at M in {S, 2S, 4S}: the
+Table 2 (per schedule, S=4 by default): GPipe, circular (R=2), 1F1B and interleaved 1F1B (R=2) at
+M in {S, 2S, 4S}: the
 bubble read from the schedule's ticks (idle forward slots over all forward slots), the compiled
 step's temp bytes per device (``memory_analysis().temp_size_in_bytes``: activations and other
 scratch), and ms per step, each beside GPipe's at the same M.
@@ -155,8 +156,7 @@ def regroup_ms(stages: int, repeats: int, devices, parts, params, steps: int) ->
 def tick_bubble(stages: int, microbatches: int, schedule: str, repeats: int = 1) -> float:
     """Idle share of a stage's forward slots, counted from the schedule's ticks (the backward's is the same)."""
     if schedule == pipeline_1f1b.SCHEDULE:
-        warm, steady, _ = pipeline_1f1b.ticks(stages, microbatches)
-        return 1 - microbatches / (warm + steady)
+        return pipeline_1f1b.bubble(stages, microbatches, repeats)
     cfg = PipelineConfig(stages, microbatches, schedule, repeats, None)  # type: ignore[arg-type]
     return 1 - repeats * microbatches / cfg.ticks
 
@@ -175,7 +175,7 @@ def schedules_table(S: int, repeats: int, parts, params, tokens, layers: int, st
         if tokens.shape[0] % M:
             continue
         ref = None
-        for sched, R in (("gpipe", 1), ("circular", repeats), ("1f1b", 1)):
+        for sched, R in (("gpipe", 1), ("circular", repeats), ("1f1b", 1), ("1f1b", repeats)):
             if layers % (S * R):
                 continue
             r = measure(Strategy(PipelineParallel(S, M, sched, R)), devices, parts, params, tokens, steps)

@@ -22,6 +22,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight.strategies import FSDP, TensorParallel
 from jaxlight.strategies.pipeline import PipelineParallel, bubble
+from jaxlight.strategies.pipeline_1f1b import bubble as bubble_1f1b
 from jaxlight.strategies.pipeline_1f1b import in_flight, slots, ticks
 from jaxlight.tracing import StepError
 from tests.helpers import Record, host_params, quiet
@@ -51,6 +52,9 @@ CONFIGS = {
     "1f1b+fsdp": (PipelineParallel(2, 4, "1f1b") + FSDP(min_shard=1024), 8, {}),  # stage 2 x fsdp 4
     "1f1b+tp": (PipelineParallel(4, schedule="1f1b") + TensorParallel(2, min_shard=1024), 8, {}),
     "1f1b-spe": (PipelineParallel(4, schedule="1f1b"), 8, {"steps_per_execution": 3}),
+    # interleaved: 2 passes over 4 stages, 2 groups of 4 microbatches; 4 passes over 2 stages x fsdp 4
+    "1f1b-R2-M8": (PipelineParallel(4, 8, "1f1b", 2), 8, {}),
+    "1f1b-R4+fsdp": (PipelineParallel(2, 4, "1f1b", 4) + FSDP(min_shard=1024), 8, {}),
 }
 
 
@@ -134,23 +138,25 @@ def test_gradient_accumulation_around_1f1b_matches_one_device():
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= TOL
 
 
-def test_dropout_in_the_stack_matches_gpipe():
-    """Both schedules draw each microbatch's masks from the stacked layers' streams in microbatch order; 1F1B's
-    backward recomputes a stage with the stream state its forward used (kept in the ring with the input)."""
+@pytest.mark.parametrize("other,repeats", [("gpipe", 1), ("circular", 2)])
+def test_dropout_in_the_stack_matches_the_forward_scan_schedules(other, repeats):
+    """Every schedule runs each layer chunk over the microbatches in microbatch order, so each microbatch draws
+    the same masks from the stacked layers' streams; 1F1B's backward recomputes a chunk with the stream state
+    its forward used (kept in the ring with the input)."""
     data = token_batches(3, ROWS, vocab=DIMS["vocab"], seed=2)
     out = {}
-    for sched in ("gpipe", "1f1b"):
+    for sched in (other, "1f1b"):
         rec = Record()
-        t = _trainer(PipelineParallel(4, schedule=sched), 8, [rec], max_epochs=1)
+        t = _trainer(PipelineParallel(4, 8, sched, repeats), 8, [rec], max_epochs=1)
         t.fit(PipeLM(**DIMS, dropout=0.2), data)
         out[sched] = (host_params(t), [float(x) for x in rec.losses], t.train_state.model_state)
-    np.testing.assert_allclose(out["1f1b"][1], out["gpipe"][1], atol=TOL, rtol=0)
-    a, b = out["gpipe"][0], out["1f1b"][0]
+    np.testing.assert_allclose(out["1f1b"][1], out[other][1], atol=TOL, rtol=0)
+    a, b = out[other][0], out["1f1b"][0]
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= TOL
-    counts = [k for k in out["gpipe"][2] if k.endswith("count") and "/blocks/" in k]
+    counts = [k for k in out[other][2] if k.endswith("count") and "/blocks/" in k]
     assert counts
     for k in counts:  # the streams advanced alike (and did advance)
-        np.testing.assert_array_equal(np.asarray(out["gpipe"][2][k]), np.asarray(out["1f1b"][2][k]))
+        np.testing.assert_array_equal(np.asarray(out[other][2][k]), np.asarray(out["1f1b"][2][k]))
         assert int(np.asarray(out["1f1b"][2][k]).min()) > 0
 
 
@@ -169,23 +175,25 @@ def test_schedule_functions():
     assert ticks(4, 16) == (3, 16, 3)
     assert slots(4, 16) == 7 and slots(4, 4) == 4
     assert in_flight(4, 16) == [7, 5, 3, 1]
-    # forward and backward slots idle (S-1)/(M+S-1) of the time: GPipe's bubble
-    w, s, c = ticks(4, 16)
-    assert (w + c) / 2 / (w / 2 + s + c / 2) == pytest.approx(bubble(4, 16))
+    assert ticks(4, 8, 2) == (7, 12, 7) and slots(4, 8, 2) == 15 and in_flight(4, 8, 2) == [15, 13, 11, 9]
+    # a stage's forward slots idle (S-1)/(R*M+S-1): GPipe's bubble for R = 1, circular's for R > 1
+    for S, M, R in ((4, 16, 1), (4, 8, 2), (2, 4, 4), (8, 8, 1)):
+        assert bubble_1f1b(S, M, R) == pytest.approx(bubble(S, M, R))
 
 
-def test_compiled_step_runs_warmup_steady_cooldown_ticks_and_keeps_a_ring_of_2S_minus_1_inputs(runs):
-    t, _ = runs["1f1b-M8"]
+@pytest.mark.parametrize("name,R", [("1f1b-M8", 1), ("1f1b-R2-M8", 2)])
+def test_compiled_step_runs_warmup_steady_cooldown_ticks_and_keeps_a_ring_of_2RS_minus_1_inputs(runs, name, R):
+    t, _ = runs[name]
     hlo = t.compiled["train"].as_text()
     S, M = 4, 8
-    # the loops that carry the ring of stage inputs (7 slots of one microbatch: 2 rows over data 2 -> 1 row,
+    # the loops that carry the ring of stage inputs (2RS-1 slots of one microbatch: 2 rows over data 2 -> 1 row,
     # 8 tokens, embed 64) are the schedule's: warm-up, steady and cool-down
-    ring = "f32[7,1,8,64]"
+    ring = f"f32[{2 * R * S - 1},1,8,64]"
     loops = [ln for ln in hlo.splitlines() if " while(" in ln and ring in ln.split(" while(")[0]]
     trips = sorted(int(n) for ln in loops for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', ln))
-    assert trips == [S - 1, S - 1, M], trips
+    assert trips == sorted([R * S - 1, R * (M - S) + S, R * S - 1]), trips
     every = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)]
-    assert M + S - 1 not in every  # no GPipe scan (and no autodiff of one)
+    assert R * M + S - 1 not in every  # no forward-scan schedule (and no autodiff of one)
     ops = collectives(hlo)
     permutes = [g for op, _, g in ops if op == "collective-permute" and crosses_stage(g, t.mesh)]
     assert len(permutes) >= 2  # activations down, cotangents up
@@ -271,9 +279,13 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(module, message
     assert t.global_step == 0
 
 
-def test_interleaved_1f1b_is_refused():
-    with pytest.raises(ValueError, match=r"repeats=2 with schedule='1f1b' is interleaved 1F1B, which is not"):
-        PipelineParallel(4, 8, "1f1b", repeats=2)
+def test_interleaved_1f1b_needs_groups_of_stages_microbatches():
+    with pytest.raises(ValueError, match=r"groups of stages=4, and microbatches=6 is not a multiple of 4"):
+        PipelineParallel(4, 6, "1f1b", repeats=2)
+    t = _trainer(PipelineParallel(microbatches=3, schedule="1f1b", repeats=2), 2, max_steps=1)  # 2 stages
+    with pytest.raises(ValueError, match=r"groups of stages=2, and microbatches=3 is not a multiple of 2"):
+        t.fit(PipeLM(**DIMS), token_batches(1, 12, vocab=DIMS["vocab"]))
+    assert t.global_step == 0
 
 
 def test_same_model_without_a_pipeline_is_a_plain_stack():
