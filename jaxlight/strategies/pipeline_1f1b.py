@@ -59,6 +59,19 @@ alternates one forward and one backward per time unit, while one SPMD tick runs
 a forward and a backward on every stage, so a round trip from stage ``s`` takes
 ``2(S-1-s)+1`` ticks of forwards; holding ``S`` would need ticks of one
 operation each, half of them idle on every stage).
+
+**Interleaved (``repeats=R``).** Stage ``s`` holds the layer chunks ``r*S + s``
+(as in the circular schedule; the step regroups the natural-order weights).
+Microbatches go in groups of ``S`` (``M`` must be a multiple of ``S``): a group
+makes its ``R`` passes before the next starts, so forward item ``i`` is pass
+``(i mod RS) div S`` of microbatch ``(i div RS)*S + i mod S``, run by stage ``s``
+at tick ``i + s``; backward items take the passes in reverse, item ``j`` at tick
+``RS - 1 + j + (S-1-s)``. A pass hands over between stage ``S-1`` and stage 0 in
+one tick both ways (a ring ``ppermute``, no delay buffer). Warm-up and
+cool-down are ``RS - 1`` ticks, the steady phase ``R(M-S) + S``; the bubble is
+the circular schedule's ``(S-1)/(RM+S-1)``, and a stage keeps up to
+``min(RM, 2RS-1)`` chunk inputs (each a microbatch's activation, for ``1/R``
+of the stage's layers). ``R = 1`` is the schedule above.
 """
 
 from __future__ import annotations
