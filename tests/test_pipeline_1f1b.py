@@ -2,7 +2,8 @@
 of the LayerStack transformer (tests/pipeline_models.py) against one device, alone and composed with data
 parallel, FSDP, tensor parallel, gradient accumulation and ``steps_per_execution``; dropout in the stack
 against GPipe (both draw per microbatch); the schedule's ticks and ring of stage inputs in the compiled
-HLO; its compiled temp bytes against GPipe's (``memory_analysis()``); the refusals.
+HLO; its compiled temp bytes against GPipe's (``memory_analysis()``); the refusals; at kernel level (the
+schedule's ``value_and_grad`` on a traced loss function), the stack's per-row and whole extra arguments.
 
 Tolerance 1e-5 absolute on losses, parameters, step-1 gradients and logged values (float32, other
 reduction order; SGD with momentum, so rounding differences are not amplified).
@@ -14,16 +15,20 @@ import contextlib
 import io
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import jaxlight as jl
-from jaxlight.strategies import FSDP, TensorParallel
-from jaxlight.strategies.pipeline import PipelineParallel, bubble
+from jaxlight.state import merge_models, split_models
+from jaxlight.strategies import FSDP, TensorParallel, pipeline_1f1b, resolve_strategy
+from jaxlight.strategies.pipeline import PipelineParallel, active_pipeline, bubble
 from jaxlight.strategies.pipeline_1f1b import bubble as bubble_1f1b
 from jaxlight.strategies.pipeline_1f1b import in_flight, slots, ticks
+from jaxlight.strategies.placement import named, param_specs
 from jaxlight.tracing import StepError
 from tests.helpers import Record, host_params, quiet
 from tests.pipeline_models import DIMS, PipeLM, StackLM, collectives, crosses_stage, token_batches
@@ -294,3 +299,59 @@ def test_same_model_without_a_pipeline_is_a_plain_stack():
     t.fit(TwoStacks(**DIMS), token_batches(1, ROWS, vocab=DIMS["vocab"]))
     assert t.global_step == 1
     assert isinstance(t.lightning_module.net, StackLM)
+
+
+# ---------------------------------------------------------------- kernel level: the stack's extra arguments
+class Masked(nnx.Module):
+    """A layer with a per-row argument (a bool mask per example), a whole one (an int shift) and a static one."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (8, 8)))
+
+    def __call__(self, x, mask, shift, *, scale: float):
+        return x + scale * mask[:, None] * jnp.tanh(x @ self.w[...] + shift)
+
+
+def _kernel_step(arg):
+    """``value_and_grad`` of a stack of Masked layers under 1F1B (4 stages x data 2, M = 4) and on one device."""
+    with nnx.use_eager_sharding(False):
+        parts, params, rest = split_models({"s": jl.nn.LayerStack(Masked, 4, rngs=nnx.Rngs(0))})
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+        "mask": jnp.asarray(rng.uniform(size=(16,)) > 0.3),  # rows: split with x
+        "w": jnp.asarray(rng.uniform(size=(16,)), jnp.float32),  # a per-row weight of the loss
+    }
+    shift = arg  # whole: given to every microbatch
+
+    def forward(params, batch):
+        y = merge_models(parts, params, rest)["s"](batch["x"], batch["mask"], shift, scale=0.5)
+        return jnp.mean(jnp.sum(y, -1) * batch["w"]), ({}, {}, {}, {})
+
+    ref = jax.jit(jax.value_and_grad(lambda p: forward(p, batch)[0]))(params)
+    s = resolve_strategy(PipelineParallel(4, 4, "1f1b"))
+    mesh = s.build_mesh(jax.devices())
+    psh = {k: named(mesh, v) for k, v in param_specs(params, parts.params.variables, s, mesh).items()}
+    placed = jax.device_put(params, psh)
+    with (
+        jax.set_mesh(mesh),
+        nnx.use_eager_sharding(False),
+        jl.nn.axis_rules(mesh, s.logical_rules),
+        s.trace_context(mesh),
+    ):
+        step = lambda p, b: pipeline_1f1b.value_and_grad(forward, p, b, {}, frozenset(p), active_pipeline())
+        (loss, _), grads = jax.jit(step)(placed, batch)
+    return ref, (loss, grads)
+
+
+def test_stack_arguments_travel_with_their_microbatch():
+    (ref_loss, ref_grads), (loss, grads) = _kernel_step(jnp.arange(8, dtype=jnp.int32) % 3)
+    assert abs(float(loss) - float(ref_loss)) <= TOL
+    worst = max(float(jnp.abs(grads[k] - ref_grads[k]).max()) for k in ref_grads)
+    assert worst <= TOL, worst
+    assert min(float(jnp.abs(g).max()) for g in ref_grads.values()) > 1e-3
+
+
+def test_a_floating_point_stack_argument_is_refused():
+    with pytest.raises(ValueError, match=r"has a floating-point one \(8,\) float32, which would get no gradient"):
+        _kernel_step(jnp.linspace(0.0, 1.0, 8))
