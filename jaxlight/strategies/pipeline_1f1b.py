@@ -401,7 +401,9 @@ def value_and_grad(
                         pn, y, bm
                     )
                     last = fvalid & (s == S - 1) & (r == R - 1)
-                    g_ns = jax.tree.map(lambda acc, g: acc + jnp.where(last, g, jnp.zeros_like(g)), g_ns, g_pn)
+                    g_ns = jax.tree.map(
+                        lambda acc, g: acc + jnp.where(last, g, jnp.zeros_like(g)).astype(acc.dtype), g_ns, g_pn
+                    )
                     out = jax.tree.map(
                         lambda v: jnp.where(last, v, jnp.zeros_like(v)), (last.astype(jnp.int32), m, loss, extras, logs)
                     )
@@ -418,7 +420,7 @@ def value_and_grad(
                 r_b = [at(a, i % K) for a in ring_r]
                 _, vjp = jax.vjp(lambda p, hh: stage_fn(p, r_b, hh, m)[0], [at(a, r) for a in p_st], h_b)
                 g_p, g_h = vjp(g)
-                g_st = [put(acc, r, at(acc, r) + gp, bvalid) for acc, gp in zip(g_st, g_p)]
+                g_st = [put(acc, r, at(acc, r) + gp.astype(acc.dtype), bvalid) for acc, gp in zip(g_st, g_p)]
                 gx = put(gx, m, g_h, bvalid & (s == 0) & (r == 0))
                 b_recv = lax.ppermute(g_h, STAGE_AXIS, perm_b)
             return (f_recv, b_recv, ring_h, ring_r, r_cur, g_st, g_ns, gx), out
@@ -430,8 +432,9 @@ def value_and_grad(
             vary(jnp.zeros((K,) + xs.shape[1:], xs.dtype)),
             [jnp.stack([a[0]] * K) for a in r_st],
             r_st,
-            [vary(jnp.zeros(a.shape, a.dtype)) for a in p_st],
-            jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), pn),
+            # gradients summed over microbatches in float32 at least (bfloat16 sums would round M times)
+            [vary(jnp.zeros(a.shape, _acc_dtype(a))) for a in p_st],
+            jax.tree.map(lambda a: vary(jnp.zeros(a.shape, _acc_dtype(a))), pn),
             vary(jnp.zeros_like(xs)),
         )
         warm, steady, cool = ticks(S, M, R)
@@ -483,6 +486,10 @@ def value_and_grad(
     loss = jnp.mean(losses)
     extras = {name: jnp.mean(v, axis=0).astype(v.dtype) for name, v in extras.items()}
     return (loss, (extras, logs, rest, {})), grads
+
+
+def _acc_dtype(a: Any) -> Any:
+    return jnp.promote_types(a.dtype, jnp.float32)
 
 
 def combine_logs(logs: Mapping[str, tuple[jax.Array, jax.Array]], specs: Mapping[str, Any]) -> dict[str, tuple]:
