@@ -112,11 +112,11 @@ def time_compiled_steps(trainers: dict[str, jl.Trainer], batch: dict, steps: int
         for name, t in trainers.items():
             step, state = t.compiled["train"], t.train_state
             placed = BatchPlacer(t.mesh, strategy=t.strategy).place(batch)
-            state, out, _ = step(state, placed, np.int32(0), np.bool_(False))
+            state, out, _ = step(state, placed, np.int32(0), np.bool_(False), np.int32(0))
             jax.block_until_ready(out["loss"])
             t0 = time.perf_counter()
             for i in range(steps):
-                state, out, _ = step(state, placed, np.int32(i), np.bool_(False))
+                state, out, _ = step(state, placed, np.int32(i), np.bool_(False), np.int32(0))
             jax.block_until_ready(state)
             times[name].append((time.perf_counter() - t0) / steps * 1e3)
             t.train_state = state

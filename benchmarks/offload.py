@@ -13,9 +13,14 @@ from the same initialisation on the same batches and prints
 - max |delta| of every parameter and EMA leaf after the same steps (offload moves bytes, it must
   not change a value: expected 0);
 - the same for ``HostOffload(stream=N)`` (``--stream``, default 8; 0 leaves the row out): the
-  offloaded state fetched, updated and written back in N groups inside the step, so the copies of
-  one group overlap the update of another (issue 25: target <= 1.3x the step time without offload,
-  with the device-memory saving kept);
+  offloaded state fetched, updated and written back in N groups inside the step as a software
+  pipeline (groups 0 and 1 fetched while the forward and backward pass run, group g+1 fetched while
+  group g updates and group g-1 is written back);
+- the measured host<->device bandwidth each way (median time of a ``device_put`` of ``--bw-mb`` MB
+  into pinned host memory and back) and, per offload row, the bound
+  ``max(resident step, bytes each way / bandwidth)`` (the copies in and out overlapping each other
+  and the compute) and ``offloaded / bound`` (issue 31: target <= 1.15 on a GPU; on CPU "host" and
+  "device" are the same RAM and the ratio is only printed);
 - a smaller run with async checkpoints every 2 steps, stopped half way and resumed from ``last``,
   against the same steps straight through (expected 0), with and without offload.
 
@@ -97,6 +102,28 @@ def resume_check(strategy: Any, data: list, steps: int) -> float:
     return max(float(np.max(np.abs(got[k].astype(np.float64) - straight[k]))) for k in got)
 
 
+def host_bandwidth(mbytes: int, reps: int = 5) -> tuple[float, float]:
+    """(host->device, device->host) bytes per second of one device: the median time of ``reps`` transfers
+    of an ``mbytes`` MB float32 array between its device memory and its pinned host memory."""
+    from jax.sharding import SingleDeviceSharding
+
+    dev = jax.devices()[0]
+    on_dev, on_host = SingleDeviceSharding(dev), SingleDeviceSharding(dev, memory_kind="pinned_host")
+    n = mbytes * 10**6 // 4
+    x = jax.device_put(np.ones(n, np.float32), on_dev).block_until_ready()
+    h = jax.device_put(x, on_host).block_until_ready()
+
+    def timed(src, sharding):
+        out = []
+        for _ in range(reps + 1):  # the first transfer warms up (allocation, pinning)
+            t0 = time.perf_counter()
+            jax.device_put(src, sharding).block_until_ready()
+            out.append(time.perf_counter() - t0)
+        return 4 * n / statistics.median(out[1:])
+
+    return timed(h, on_dev), timed(x, on_host)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--embed", type=int, default=1024)
@@ -107,6 +134,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="trained steps compared, and steps per timed round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stream", type=int, default=8, help="groups of HostOffload(stream=N) for its row; 0: no row")
+    ap.add_argument("--bw-mb", type=int, default=256, help="MB per transfer when measuring host<->device bandwidth")
     args = ap.parse_args()
     if args.steps < 4:  # the resume check stops at steps // 2 and needs a step checkpoint (every 2) by then
         ap.error(f"--steps must be at least 4, got {args.steps}")
@@ -182,6 +210,36 @@ def main() -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(hdr))]
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    h2d, d2h = host_bandwidth(args.bw_mb)
+    print(
+        f"\nhost<->device bandwidth ({args.bw_mb} MB device_put, median of 5): host->device {h2d / 1e9:.2f} GB/s, "
+        f"device->host {d2h / 1e9:.2f} GB/s"
+    )
+    rows = [("strategy", "bytes each way", "copy in", "copy out", "bound", "ms/step", "offloaded / bound")]
+    for name in names[1:]:
+        st = trainers[name].train_state
+        moved = per_device_bytes((st.opt_state, st.callback_state), "host")
+        t_in, t_out = moved / h2d * 1e3, moved / d2h * 1e3
+        bound = max(base_ms, t_in, t_out)  # copies in and out run at once, and under the compute
+        ms = statistics.median(times[name])
+        rows.append(
+            (
+                name,
+                fmt_bytes(moved),
+                f"{t_in:.2f} ms",
+                f"{t_out:.2f} ms",
+                f"{bound:.2f} ms",
+                f"{ms:.2f}",
+                f"{ms / bound:.2f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print(
+        "bound = max(resident step, bytes each way / bandwidth); target offloaded / bound <= 1.15 on a GPU "
+        "(on CPU host and device memory are the same RAM: printed only)"
+    )
     for name, d in deltas.items():
         print(
             f"\nmax |delta| after {args.steps + args.rounds * (args.steps + 1)} identical steps, {name} vs none: "

@@ -76,7 +76,8 @@ def _step_fn(parts):
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def forward(params, batch):  # the trainer's loss-function signature, which the 1F1B schedule splits
-        return loss(params, batch["tokens"]), ({}, {}, {}, {})
+        value = loss(params, batch["tokens"])
+        return value, (value, {}, {}, {}, {})
 
     def step(params, opt, tokens):
         cfg = active_pipeline()

@@ -165,6 +165,7 @@ class GPT(jl.LightningModule):
         max_steps: int = 600,
         seed: int = 0,
         moe: int = 0,
+        attention: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -172,7 +173,12 @@ class GPT(jl.LightningModule):
     def configure_model(self) -> None:
         hp = self.hparams
         cfg = GPTConfig(
-            d_model=hp.d_model, n_layers=hp.layers, n_heads=hp.heads, seq_len=hp.seq_len, dropout=hp.dropout
+            d_model=hp.d_model,
+            n_layers=hp.layers,
+            n_heads=hp.heads,
+            seq_len=hp.seq_len,
+            dropout=hp.dropout,
+            attention=hp.get("attention"),
         )
         rngs = nnx.Rngs(params=hp.seed, dropout=hp.seed + 1)
         self.net = MoETransformer(cfg, hp.moe, rngs) if hp.moe else CausalTransformer(cfg, rngs)

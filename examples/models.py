@@ -40,6 +40,8 @@ class GPTConfig:
     # Blocks as one scanned jl.nn.LayerStack (compile time independent of depth; what "pp" pipelines) or as
     # a Python list (XLA:CPU runs a 4-layer model ~20% faster unrolled)
     scan_layers: bool = True
+    # jl.nn.attention's kernel: None chooses ("blockwise", "xla", "cudnn" force one; benchmarks/mfu.py compares them)
+    attention: str | None = None
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple, std: float) -> nnx.Param:
@@ -65,6 +67,7 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (d, h, dh), ("embed", "heads", "kv"), std)
         # residual projections scaled down with depth (GPT-2)
         self.wo = _param(rngs, (h, dh, d), ("heads", "kv", "embed"), std / (2 * cfg.n_layers) ** 0.5)
+        self.implementation = cfg.attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...])
@@ -72,7 +75,7 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...])
         q, k, v = (constrain(a, ("batch", "length", "act_heads", None)) for a in (q, k, v))
         # jl.nn.attention: exact causal attention that a SequenceParallel strategy runs over the sequence axis
-        out = attention(q, k, v, causal=True)
+        out = attention(q, k, v, causal=True, implementation=self.implementation)
         out = constrain(out, ("batch", "length", "act_heads", None))
         return jnp.einsum("bthk,hkd->btd", out, self.wo[...])
 

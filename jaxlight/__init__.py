@@ -11,7 +11,9 @@ from jaxlight.checkpoint import CheckpointError, Preempted
 from jaxlight.data import batch_mask
 from jaxlight.datamodule import LightningDataModule
 from jaxlight.errors import NonFiniteLossWarning
+from jaxlight.loss_scale import GradScaler
 from jaxlight.module import LightningModule
+from jaxlight.precision import MixedPrecision
 from jaxlight.seed import seed_everything
 from jaxlight.step import TrainState
 from jaxlight.tracing import StepError
@@ -23,10 +25,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Callback",
     "CheckpointError",
+    "GradScaler",
     "Preempted",
     "LightningDataModule",
     "LightningModule",
     "MisconfigurationError",
+    "MixedPrecision",
     "NonFiniteLossWarning",
     "StepError",
     "Trainer",

@@ -152,6 +152,37 @@ def _check_ragged(name: str, ragged: Any) -> None:
         )
 
 
+def _plugin_list(plugins: Any) -> list[Any]:
+    return [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+
+
+def _check_plugins(name: str, plugins: Any) -> None:
+    """Lightning's ``plugins=``: jaxlight has precision plugins only (``jl.MixedPrecision(...)``), at most one."""
+    given = _plugin_list(plugins)
+    other = [p for p in given if not isinstance(p, Precision)]
+    if other:
+        raise MisconfigurationError(
+            f"plugins: {type(other[0]).__name__} is not a plugin jaxlight has; the only plugins are precision "
+            f"policies (jl.MixedPrecision('16-mixed', scaler=jl.GradScaler(...))); environments, checkpoint I/O "
+            f"and the rest of Lightning's plugins have no counterpart"
+        )
+    if len(given) > 1:
+        raise MisconfigurationError(f"plugins holds {len(given)} precision plugins ({given}); pass one")
+
+
+def _resolve_precision(value: Any, args: Mapping[str, Any]) -> Precision:
+    """``precision``, or the precision plugin in ``plugins`` (Lightning refuses both; so does jaxlight, unless
+    ``precision`` is the default)."""
+    plugins = [p for p in _plugin_list(args.get("plugins")) if isinstance(p, Precision)]
+    if not plugins:
+        return resolve_precision(value)
+    if not isinstance(value, Precision) and resolve_precision(value).name != "32-true":
+        raise MisconfigurationError(
+            f"Received both precision={value!r} and plugins={plugins[0]!r}; choose one (as in Lightning)"
+        )
+    return plugins[0]
+
+
 def _check_prefetch(name: str, prefetch: Any) -> None:
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise MisconfigurationError(
@@ -258,7 +289,8 @@ ARGUMENTS: tuple[Argument, ...] = (
         "auto",
         'placement: `"ddp"`/`"dp"` (data parallel), `"fsdp"`, `"tp"`, `"sp"`, `"pp"`, `"offload"`, joined '
         'with `+` (`"fsdp+tp"`), a piece (`jl.strategies.FSDP(...)`) or a `Strategy`; `"auto"` picks the '
-        "least communication that fits `device_memory` ([verify.md](verify.md)). Unknown names raise, "
+        "fastest estimated step that fits `device_memory`, rematerialising before offloading ([verify.md](verify.md)). "
+        "Unknown names raise, "
         "listing the valid ones",
         field=None,
         attribute=None,
@@ -283,16 +315,29 @@ ARGUMENTS: tuple[Argument, ...] = (
     ),
     Argument(
         "precision",
-        str | int,
+        str | int | Precision,
         "32-true",
         '`"32-true"`/`"32"`/`32`; `"bf16-mixed"`/`"bf16"` (fp32 master weights and optimizer state, bf16 '
-        'forward/backward; normalisation layers keep bf16 activations with fp32 statistics); `"bf16-true"` '
+        'forward/backward; normalisation layers keep bf16 activations with fp32 statistics); `"16-mixed"`/`"16"`/'
+        "`16` (the same in float16, with dynamic loss scaling as torch's `GradScaler`; its settings through "
+        '`jl.MixedPrecision("16-mixed", scaler=jl.GradScaler(...))`); `"bf16-true"` '
         "(parameters, and so optimizer state, stored in bf16; float inputs are cast to bf16 too); "
-        '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). `"16-mixed"`/`"16"`/`16` is refused: it needs '
-        "dynamic loss scaling, which the compiled step does not do. Anything else raises, listing these",
-        resolve=lambda value, args: resolve_precision(value),
+        '`"16-true"`; `"64-true"` (needs `jax_enable_x64`). Anything else raises, listing these',
+        resolve=_resolve_precision,
         field_type=Precision,
         attribute="precision_plugin",
+    ),
+    Argument(
+        "plugins",
+        Precision | Sequence[Precision] | None,
+        None,
+        'Lightning\'s spelling of a precision with settings: `plugins=[jl.MixedPrecision("16-mixed", '
+        "scaler=jl.GradScaler(...))]` (with `precision` left at its default; jaxlight has no other plugins: "
+        "anything else raises)",
+        check=_check_plugins,
+        resolve=lambda value, args: tuple(_plugin_list(value)),
+        field_type=tuple[Any, ...],
+        attribute=None,
     ),
     Argument(
         "logger",

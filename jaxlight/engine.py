@@ -28,11 +28,12 @@ from jaxlight.binding import ModuleBinding
 from jaxlight.data import BatchPlacer, leaf_path
 from jaxlight.errors import MisconfigurationError
 from jaxlight.explicit import explicit_twin, name_missing_axis, needs_explicit, refuse_pieces, typed
+from jaxlight.flops import MatmulDtypes
 from jaxlight.metrics import StepContext, step_context
 from jaxlight.multistep import MultiStep
 from jaxlight.nn.constrain import axis_rules
 from jaxlight.optim import OptimizerConfig, configure, select_params
-from jaxlight.precision import Precision
+from jaxlight.precision import Precision, check_matmul_dtypes
 from jaxlight.rank_zero import rank_zero_info
 from jaxlight.signatures import step_call
 from jaxlight.stages import STAGES
@@ -91,6 +92,7 @@ class Engine:
         self.compile_counts: collections.Counter = collections.Counter()
         self.batch_rows: dict[str, int] = {}  # global rows each stage's step was compiled for
         self.init_compiled: Any = None  # the compiled parameter creation (kept for inspection)
+        self.matmul_dtypes: MatmulDtypes | None = None  # half precisions: the train step's matmul FLOPs by dtype
         self.binding = ModuleBinding(self)  # the module's attributes <-> the train state (jaxlight/binding.py)
         self.eval_steps: dict[tuple[str, Any], Any] = {}  # compiled evaluation steps by (key, batch signature)
         self.train_steps: dict[Any, Any] = {}  # compiled train steps by batch signature (a ragged batch: its own)
@@ -242,9 +244,10 @@ class Engine:
         esh = self._mirror_shardings(extra, params, "callback_state")
         extra = jax.device_put(extra, esh)
         self._check_state_on_device(callbacks, {"opt_state": osh, "callback_state": esh})
-        self.state_shardings = TrainState(
-            self.param_shardings, self.rest_shardings, osh, esh, NamedSharding(self.mesh, P())
-        )
+        rep = NamedSharding(self.mesh, P())
+        scaling = self._loss_scale_init()
+        lsh = jax.tree.map(lambda _: rep, scaling)
+        self.state_shardings = TrainState(self.param_shardings, self.rest_shardings, osh, esh, rep, lsh)
         self.builder = StepBuilder(
             module,
             self.parts,
@@ -257,10 +260,15 @@ class Engine:
             manual=not optimizer.automatic,
             handles=optimizer.handles,
         )
-        step = jax.device_put(jnp.int32(global_step), NamedSharding(self.mesh, P()))
-        self.train_state = TrainState(params, rest, opt_state, extra, step)
+        step = jax.device_put(jnp.int32(global_step), rep)
+        self.train_state = TrainState(params, rest, opt_state, extra, step, jax.device_put(scaling, lsh))
         self._drop_train_programs()
         self.refresh_train_modes()
+
+    def _loss_scale_init(self) -> Any:
+        """The loss scaler's first state (``"16-mixed"``), unplaced; None when the precision scales no loss."""
+        scaler = self.precision.scaler
+        return scaler.init() if scaler is not None and scaler.enabled else None
 
     def refresh_train_modes(self) -> bool:
         """Make the train step follow the modes the user set on the module's layers (a submodule's
@@ -358,8 +366,8 @@ class Engine:
         )
 
     def compile_abstract(
-        self, module: LightningModule, tx: Any, batch: Any, batch_idx: Any = None
-    ) -> tuple[Any, TrainState]:
+        self, module: LightningModule, tx: Any, batch: Any, batch_idx: Any = None, *, with_jaxpr: bool = False
+    ) -> tuple[Any, ...]:
         """Lower and compile ``module``'s train step on abstract shapes, allocating no state.
 
         ``tx``: what ``configure_optimizers`` returns (any of its forms) or an
@@ -369,7 +377,8 @@ class Engine:
         shardings optional: rows over the batch axes by default). Returns the
         compiled step (for ``memory_analysis()`` and its HLO) and the abstract
         TrainState with the shardings the real run would use. Does not change
-        this engine's model or state.
+        this engine's model or state. ``with_jaxpr=True`` adds the traced step's jaxpr as a third item
+        (what :func:`jaxlight.flops.matmul_flops` counts).
         """
         with self.context():
             parts, aparams, arest = self._abstract_model(module)
@@ -379,7 +388,9 @@ class Engine:
             opt_shapes = jax.eval_shape(optimizer.tx.init, aparams)
             osh = self._mirror_shardings(opt_shapes, aparams, "opt_state", psh)
             rep = NamedSharding(self.mesh, P())
-            shardings = TrainState(psh, rsh, osh, {}, rep)
+            scaling = self._loss_scale_init()
+            lsh = jax.tree.map(lambda _: rep, scaling)
+            shardings = TrainState(psh, rsh, osh, {}, rep, lsh)
             sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
             state = TrainState(
                 jax.tree.map(sds, aparams, psh),
@@ -387,6 +398,7 @@ class Engine:
                 jax.tree.map(sds, opt_shapes, osh),
                 {},
                 jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                jax.tree.map(sds, scaling, lsh),
             )
             placer = BatchPlacer(self.mesh, strategy=self.strategy)
             batch = jax.tree_util.tree_map_with_path(
@@ -413,8 +425,9 @@ class Engine:
             epoch = jax.ShapeDtypeStruct((), jnp.int32)
             fn = jax.jit(builder.train_step, donate_argnums=0, out_shardings=(shardings, None, None))
             with lightning_step_call(module, "training_step"):
-                compiled = fn.lower(state, batch, idx, flush, epoch).compile()
-        return compiled, state
+                traced = fn.trace(state, batch, idx, flush, epoch)
+                compiled = traced.lower().compile()
+        return (compiled, state, traced.jaxpr) if with_jaxpr else (compiled, state)
 
     # -- compile ------------------------------------------------------------------------------
     def _traced(self, trace: Callable[[Callable[[Any], Any]], Any]) -> Any:
@@ -508,6 +521,7 @@ class Engine:
                 return _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, 1)
 
         compiled = self._traced(trace)
+        self._check_matmul_dtypes(compiled)
         self.compile_counts["train"] += 1
         self.train_steps[_signature(batch)] = compiled
         self.compiled.setdefault("train", compiled)
@@ -538,11 +552,20 @@ class Engine:
                 return _AdoptingTrainStep(traced.lower().compile(), self, traced.jaxpr.jaxpr, len(batches))
 
         compiled = self._traced(trace)
+        self._check_matmul_dtypes(compiled)
         self.compile_counts["train"] += 1
         self.multi_steps[(len(batches), _signature(batches[0]))] = compiled
         if full or "train" not in self.compiled:
             self.compiled["train"] = compiled
         return compiled
+
+    def _check_matmul_dtypes(self, compiled: Any) -> None:
+        """On the first train program of a training setup: under a half precision, its matmul FLOPs by operand
+        dtype (``self.matmul_dtypes``), warned about when too many stay float32 (:func:`check_matmul_dtypes`)."""
+        if "train" in self.compiled or self.builder is None or self.parts is None:
+            return
+        models = {k: getattr(self.builder.module, k) for k in self.parts.names}
+        self.matmul_dtypes = check_matmul_dtypes(self.precision, compiled.jaxpr, models)
 
     def train_steps_for(self, batches: Sequence[Any]) -> Any:
         """The program compiled for ``len(batches)`` steps on batches of these shapes, or None."""

@@ -59,3 +59,13 @@ class HostSideEffectWarning(UserWarning):
     Python code again: the change happened once and will not happen per batch. Host work per batch belongs
     in a host hook (``on_train_batch_start``) or the data loader.
     """
+
+
+class Float32MatmulWarning(UserWarning):
+    """A half-precision policy (``"bf16-mixed"``...) left more than 5% of the train step's matrix-product FLOPs
+    with a float32 operand (counted from the traced step, once, when it is first compiled).
+
+    The message names the flax layers that set their own ``dtype`` (which the policy keeps) and where the
+    float32 products come from (Linen module paths, source lines). Such products run at the float32 rate:
+    on a GPU or TPU a fraction of the half-precision peak.
+    """

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlight.loss_scale import all_finite
 from jaxlight.state import merge_models, rest_after, written_params
 from jaxlight.tracing import check_loss
 
@@ -109,6 +110,7 @@ class ManualContext:
         self.params = dict(state.params)
         self.rest = dict(state.model_state)
         self.opt_states = list(state.opt_state)
+        self.loss_scale = state.loss_scale  # "16-mixed": the scaler's state, updated by each opt.step
         self.collector = collector
         self.models: dict[str, Any] = {}
         self.toggled: ManualOptimizer | None = None
@@ -171,10 +173,14 @@ class ManualContext:
             loss, aux = out if has_aux else (out, None)
             check_loss(loss, "the loss manual_backward differentiates")
             specs.update(col.specs)
-            return loss, (aux, self._cast_rest(rest_after(b.parts, models)), col.values)
+            # "16-mixed": the scaled loss is differentiated, as Lightning's manual_backward does
+            scaled = b.scaler.scale(loss.astype(jnp.float32), self.loss_scale) if b.scaler is not None else loss
+            return scaled, (loss, aux, self._cast_rest(rest_after(b.parts, models)), col.values)
 
         sub = {k: self.params[k] for k in keys}
-        (loss, (aux, rest, logged)), grads = jax.value_and_grad(f, has_aux=True)(sub)
+        (_, (loss, aux, rest, logged)), grads = jax.value_and_grad(f, has_aux=True)(sub)
+        if b.scaler is not None:  # handed back unscaled (what a user clips or inspects); opt.step checks them
+            grads = b.scaler.unscale(grads, self.loss_scale)
         self.rest = rest
         for name, value in logged.items():  # what the loss function logged joins the step's logs
             outer.values[name] = value
@@ -199,13 +205,31 @@ class ManualContext:
         i = opt.index
         p = {k: self.params[k] for k in opt.param_paths}
         g = {k: grads[k] for k in opt.param_paths}
-        updates, new_state = opt.optimizer.update(g, self.opt_states[i], p)
-        new_p = optax.apply_updates(p, updates)
-        new_p = {k: v.astype(p[k].dtype) for k, v in new_p.items()}
-        if when is not None:
-            ok = jnp.asarray(when, jnp.bool_)
-            new_p = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_p, p)
-            new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, self.opt_states[i])
+        old_state = self.opt_states[i]
+
+        def step(g: Any) -> tuple[Any, Any]:
+            updates, new_state = opt.optimizer.update(g, old_state, p)
+            new_p = optax.apply_updates(p, updates)
+            return {k: v.astype(p[k].dtype) for k, v in new_p.items()}, new_state
+
+        scaler = self.builder.scaler
+        ok = None if when is None else jnp.asarray(when, jnp.bool_)
+        if scaler is not None:
+            # torch's scaler.step + scaler.update, per opt.step as Lightning calls them: a non-finite gradient
+            # skips this optimizer's update and backs the scale off (a step not taken, when=False, leaves it)
+            finite = all_finite(g)
+            adjusted = scaler.update(self.loss_scale, finite)
+            if ok is not None:
+                adjusted = jax.tree.map(lambda n, o: jnp.where(ok, n, o), adjusted, self.loss_scale)
+            self.loss_scale = adjusted
+            ok = finite if ok is None else ok & finite
+            # a cond: a skipped update costs nothing and the taken one stays in place
+            new_p, new_state = jax.lax.cond(ok, step, lambda _: (p, old_state), g)
+        else:
+            new_p, new_state = step(g)
+            if ok is not None:
+                new_p = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_p, p)
+                new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
         self.params.update(new_p)
         self.opt_states[i] = new_state
         self.bind()

@@ -1,11 +1,11 @@
-"""``strategy="auto"``: pick the layout with the least communication that fits device memory.
+"""``strategy="auto"``: pick the layout with the fastest estimated step that fits device memory.
 
 Before anything is placed, the train step of a short list of candidate
-strategies (:data:`CANDIDATES`: ddp, fsdp, fsdp+tp and their host-offload
-variants) is lowered and compiled ahead of time on abstract shapes (the
-model's, the optimizer state's and the first batch's; nothing is allocated),
-through :meth:`jaxlight.engine.Engine.compile_abstract`. Per device, a
-candidate needs
+strategies (:data:`CANDIDATES`: ddp, fsdp, fsdp+tp, their rematerialising
+variants and their host-offload variants) is traced, lowered and compiled
+ahead of time on abstract shapes (the model's, the optimizer state's and the
+first batch's; nothing is allocated), through
+:meth:`jaxlight.engine.Engine.compile_abstract`. Per device, a candidate needs
 
     argument + output + temporary - aliased bytes        (``compiled.memory_analysis()``)
     + in-step callback state (an EMA copy of the parameters)
@@ -13,12 +13,24 @@ candidate needs
 
 and it fits when that is at most ``(1 - headroom)`` of the device memory
 (read from the device, or given as ``Trainer(device_memory="16GiB")``).
-Among those that fit, the one that moves the fewest bytes per step wins: the
-result bytes of every collective in its compiled HLO plus twice its host-
-offloaded bytes (copied in and out every step); ties go to the smaller need.
-The choice is printed as one line on process 0 (in a multi-process run
-process 0's choice is broadcast, so every process builds the same mesh), and
-when nothing fits :class:`NoStrategyFits` says what each candidate needs.
+Among those that fit, the one with the smallest estimated step time wins
+(ties go to the smaller need), with the estimate (:class:`StepSpeeds`)
+
+    matmul FLOPs per device / peak FLOP/s               (the traced step, rematerialised recompute included)
+    + collective result bytes in the compiled HLO / interconnect bytes/s
+    + 2 x host-offloaded bytes / host<->device bytes/s  (copied in and out, not overlapped: HostOffload())
+
+Rematerialisation is considered before offload: the ``+remat`` variant of a
+layout (:class:`~jaxlight.strategies.Remat`) is compiled when that layout does
+not fit and the model has a :class:`~jaxlight.nn.LayerStack` built with
+``remat=None`` (a stack whose ``remat`` the user set keeps it); an offload
+variant is compiled only when it could still be faster than the best fitting
+candidate. Choosing a ``+remat`` variant is ``"auto"``'s documented behaviour,
+and the printed plan says so. The plan (printed on process 0 with the model
+summary; in a multi-process run process 0's choice is broadcast, so every
+process builds the same mesh) lists every candidate with its bytes and its
+estimate, and when nothing fits :class:`NoStrategyFits` says what each
+candidate needs.
 
 The planner sits above the engine, the batch placer and the optimizer parser
 it drives; :mod:`jaxlight.strategies` never imports it (the Trainer resolves
@@ -39,14 +51,17 @@ import jax
 import numpy as np
 
 from jaxlight import distributed
+from jaxlight.callbacks.throughput import peak_flops
 from jaxlight.data import BatchPlacer, host_batch, leaf_path
 from jaxlight.engine import Engine
 from jaxlight.errors import MisconfigurationError
+from jaxlight.flops import matmul_flops
 from jaxlight.hlo import Collectives, hlo_collectives
 from jaxlight.optim import configure
 from jaxlight.precision import resolve_precision
 from jaxlight.rank_zero import rank_zero_info
 from jaxlight.strategies.offload import HostOffload
+from jaxlight.strategies.remat import Remat, counting_unset_remat
 from jaxlight.strategies.strategy import Strategy, resolve_strategy
 from jaxlight.summary import fmt_bytes
 
@@ -61,13 +76,25 @@ __all__ = [
     "AutoStrategy",
     "Candidate",
     "NoStrategyFits",
+    "StepSpeeds",
     "choose_strategy",
     "device_memory_limit",
     "parse_memory",
 ]
 
-CANDIDATES: tuple[str, ...] = ("ddp", "fsdp", "fsdp+tp", "ddp+offload", "fsdp+offload", "fsdp+tp+offload")
-"""The layouts ``"auto"`` compiles, in the order ties and the printed line list them."""
+CANDIDATES: tuple[str, ...] = (
+    "ddp",
+    "fsdp",
+    "fsdp+tp",
+    "ddp+remat",
+    "fsdp+remat",
+    "fsdp+tp+remat",
+    "ddp+offload",
+    "fsdp+offload",
+    "fsdp+tp+offload",
+)
+"""The layouts ``"auto"`` considers, in the order it compiles them and the plan lists them: rematerialisation
+before host offload."""
 
 HEADROOM = 0.1
 """Fraction of device memory ``"auto"`` leaves free: the compiled step's buffers are not all a device
@@ -134,6 +161,53 @@ def device_memory_limit(devices: Iterable[Any]) -> int | None:
     return min(limits) if limits else None
 
 
+# ---------------------------------------------------------------------------- the time estimate
+@dataclasses.dataclass(frozen=True)
+class StepSpeeds:
+    """What ``"auto"``'s step-time estimate divides by, per device: peak matmul FLOP/s, interconnect bytes/s
+    (collectives) and host<->device bytes/s each way (offload). ``source`` says where they come from.
+
+    The estimate is a ranking model, not a prediction: compute, collectives and host copies are added as if
+    nothing overlapped, and elementwise work and memory bandwidth are left out. It is right about what
+    matters here: rematerialising costs about one more forward pass of the stacks in FLOPs, offload costs
+    two trips of the optimizer state over the host link, and on an accelerator the second is the larger for
+    any batch of fewer than about peak / host bandwidth / 8 tokens (an H200: ~300 k).
+    """
+
+    flops_per_s: float
+    link_bytes_per_s: float
+    host_bytes_per_s: float
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        for f in ("flops_per_s", "link_bytes_per_s", "host_bytes_per_s"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"StepSpeeds({f}={v!r}) must be a positive number")
+
+    @classmethod
+    def for_devices(cls, devices: Sequence[Any], precision: str = "32-true") -> StepSpeeds:
+        """Speeds of ``devices[0]``: its published dense peak for ``precision`` (the table
+        :func:`jaxlight.callbacks.throughput.peak_flops` reads), a PCIe-class host link (25 GB/s each
+        way) and an NVLink/ICI-class interconnect on accelerators; nominal CPU figures elsewhere."""
+        dev = devices[0] if devices else None
+        platform = getattr(dev, "platform", "cpu")
+        peak = peak_flops(dev, precision) if dev is not None else None
+        if platform == "cpu" or dev is None:
+            return cls(peak or 1e11, 1e10, 1e10, "nominal CPU figures")
+        link = 1e11 if platform == "tpu" else 3e11
+        kind = getattr(dev, "device_kind", platform)
+        if peak is None:
+            return cls(1e14, link, 2.5e10, f"nominal {platform} figures ({kind} not in the peak table)")
+        return cls(peak, link, 2.5e10, f"{kind} peak for {precision}, nominal link and host bandwidth")
+
+    def describe(self) -> str:
+        return (
+            f"{self.flops_per_s:.3g} FLOP/s, {self.link_bytes_per_s / 1e9:.3g} GB/s interconnect, "
+            f"{self.host_bytes_per_s / 1e9:.3g} GB/s host<->device ({self.source})"
+        )
+
+
 # ---------------------------------------------------------------------------- candidates
 @dataclasses.dataclass
 class Candidate:
@@ -148,6 +222,12 @@ class Candidate:
     extra_bytes: int = 0  # in-step callback state in device memory (EMA)
     batch_bytes: int = 0  # the batches the prefetcher keeps ahead, per device
     collectives: Collectives | None = None
+    flops: float = 0.0  # matmul FLOPs of the step, all devices (rematerialised recompute included)
+    devices: int = 1
+    unset_remat: int = 0  # LayerStack calls traced with remat=None (what a Remat piece changes)
+    compute_s: float = 0.0  # the estimate's parts (set by choose_strategy from its StepSpeeds)
+    link_s: float = 0.0
+    host_s: float = 0.0
     compile_s: float = 0.0
     error: str | None = None  # why the candidate could not be compiled (a layout the model refuses)
     exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -156,6 +236,23 @@ class Candidate:
     def traffic(self) -> int:
         """Bytes moved per step: collectives plus the host copies in and out."""
         return (self.collectives.total_bytes if self.collectives else 0) + 2 * self.host_bytes
+
+    @property
+    def estimate_s(self) -> float:
+        """Estimated seconds per step: compute + collectives + host copies (:class:`StepSpeeds`)."""
+        return self.compute_s + self.link_s + self.host_s
+
+    def set_estimate(self, speeds: StepSpeeds) -> None:
+        """Fill the estimate's parts from this candidate's FLOPs and bytes."""
+        self.compute_s = self.flops / max(1, self.devices) / speeds.flops_per_s
+        self.link_s = (self.collectives.total_bytes if self.collectives else 0) / speeds.link_bytes_per_s
+        self.host_s = 2 * self.host_bytes / speeds.host_bytes_per_s
+
+    def estimate_text(self) -> str:
+        return (
+            f"{self.estimate_s * 1e3:.3g} ms ({self.compute_s * 1e3:.3g} compute + {self.link_s * 1e3:.3g} "
+            f"collectives + {self.host_s * 1e3:.3g} host copies)"
+        )
 
     @property
     def mesh_text(self) -> str:
@@ -253,8 +350,12 @@ def evaluate(
         lambda x: jax.ShapeDtypeStruct((placer.global_rows(x.shape[0]), *x.shape[1:]), x.dtype), batch
     )
     t0 = time.perf_counter()
-    compiled, state = engine.compile_abstract(module, tx, shapes)
+    with counting_unset_remat() as unset:
+        compiled, state, jaxpr = engine.compile_abstract(module, tx, shapes, with_jaxpr=True)
     cand.compile_s = time.perf_counter() - t0
+    cand.unset_remat = len(unset)
+    cand.flops = matmul_flops(jaxpr).flops
+    cand.devices = int(mesh.size)
     mem = compiled.memory_analysis()
     host = _shard_bytes(state, HOST_KINDS)
     step = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
@@ -290,9 +391,9 @@ def _dedupe(names: Sequence[str | Strategy], n_devices: int) -> list[tuple[str, 
         except ValueError as e:
             out.append((label, s, str(e)))
             continue
-        key = (tuple(sorted(shape.items())), s.find(HostOffload), s.logical_rules)
+        key = (tuple(sorted(shape.items())), s.find(HostOffload), s.find(Remat), s.logical_rules)
         if n_devices == 1:
-            key = (key[1],)
+            key = key[1:3]
         if key in seen:
             continue
         seen.add(key)
@@ -314,14 +415,18 @@ def choose_strategy(
     callbacks: Sequence[Any] = (),
     prefetch: int = 2,
     process_local: bool = False,
+    speeds: StepSpeeds | None = None,
 ) -> AutoChoice:
-    """Compile each candidate's train step on abstract shapes and pick the least communication that fits.
+    """Compile candidates' train steps on abstract shapes and pick the fastest estimated step that fits.
 
     ``batch`` is one global batch (arrays or ``jax.ShapeDtypeStruct``), ``tx``
     what ``configure_optimizers`` returns (any form) or the parsed
     :class:`~jaxlight.optim.OptimizerConfig`. ``device_memory`` (bytes or a
-    string such as ``"2GiB"``) overrides what the devices report. Returns an
-    :class:`AutoChoice` whose ``message`` is the one line ``"auto"`` prints.
+    string such as ``"2GiB"``) overrides what the devices report; ``speeds``
+    what the estimate divides by (default :meth:`StepSpeeds.for_devices`).
+    Returns an :class:`AutoChoice` whose ``message`` is the plan ``"auto"``
+    prints: the choice and why, then every candidate with its bytes and its
+    estimate (or why it was not compiled).
     Devices that report no memory limit (CPU) and no ``device_memory``: data
     parallel, as before, and the message says why. Raises
     :class:`NoStrategyFits` with every candidate's requirement when none fits.
@@ -345,31 +450,57 @@ def choose_strategy(
         else f"device_memory={device_memory!r} = {fmt_bytes(limit)}"
     )
     budget_text = f"{fmt_bytes(budget)} per device ({where} less {headroom:.0%} headroom)"
+    speeds = speeds or StepSpeeds.for_devices(devices, getattr(precision, "name", "32-true"))
     tried: list[Candidate] = []
-    best: Candidate | None = None
-    pending_offload = []
+    skipped: list[tuple[str, str]] = []  # (name, why it was not compiled)
+
+    def fits(c: Candidate) -> bool:
+        return c.error is None and c.device_bytes <= budget
+
+    def run(name: str, strategy: Strategy) -> Candidate:
+        cand = _try(name, strategy, module, tx, batch, devices, precision, trainer, callbacks, prefetch, process_local)
+        if cand.error is None:
+            cand.set_estimate(speeds)
+        tried.append(cand)
+        return cand
+
+    def best_so_far() -> Candidate | None:
+        return min((c for c in tried if fits(c)), key=_key, default=None)
+
+    plain, remat, offload = [], [], []
     for name, strategy, reason in _dedupe(candidates, len(devices)):
         if reason is not None:
             tried.append(Candidate(name, strategy, {}, error=reason))
-            continue
-        if strategy.find(HostOffload) is not None:
-            pending_offload.append((name, strategy))  # compiled only if it could win (below)
-            continue
-        cand = _try(name, strategy, module, tx, batch, devices, precision, trainer, callbacks, prefetch, process_local)
-        tried.append(cand)
-        if cand.error is None and cand.device_bytes <= budget and (best is None or _key(cand) < _key(best)):
-            best = cand
-    for name, strategy in pending_offload:
-        base = _base_of(strategy, tried)
-        # Offload adds two host copies of its state to its base layout's collectives: when the base
-        # alone already moves more than the best fitting candidate, the offload variant cannot win.
-        if best is not None and base is not None and base.collectives is not None:
-            if base.collectives.total_bytes >= best.traffic:
+        elif strategy.find(HostOffload) is not None:
+            offload.append((name, strategy))
+        elif strategy.find(Remat) is not None:
+            remat.append((name, strategy))
+        else:
+            plain.append((name, strategy))
+    for name, strategy in plain:
+        run(name, strategy)
+    # LayerStack calls traced with remat=None in the plain layouts (None: none compiled, so unknown)
+    unset = max((c.unset_remat for c in tried if c.error is None), default=None)
+    # rematerialisation before offload: a +remat variant only where its layout does not fit as it is
+    for name, strategy in remat:
+        base = _base_of(strategy, tried, (Remat,))
+        if unset == 0:
+            skipped.append((name, "the model has no LayerStack built with remat=None"))
+        elif base is not None and fits(base):
+            skipped.append((name, f"{base.name} fits without recomputing"))
+        else:
+            run(name, strategy)
+    for name, strategy in offload:
+        base = _base_of(strategy, tried, (HostOffload,))
+        best = best_so_far()
+        # offload adds host copies to its base layout's compute and collectives: when those alone are
+        # already estimated slower than the best fitting candidate, the offload variant cannot win
+        if best is not None and base is not None and base.error is None:
+            if base.compute_s + base.link_s >= best.estimate_s:
+                skipped.append((name, f"cannot be faster than {best.name}"))
                 continue
-        cand = _try(name, strategy, module, tx, batch, devices, precision, trainer, callbacks, prefetch, process_local)
-        tried.append(cand)
-        if cand.error is None and cand.device_bytes <= budget and (best is None or _key(cand) < _key(best)):
-            best = cand
+        run(name, strategy)
+    best = best_so_far()
     idx = tried.index(best) if best is not None else -1
     # every process must build the same mesh: process 0's choice wins (the identity in one process)
     idx = distributed.broadcast_int(idx)
@@ -394,40 +525,54 @@ def choose_strategy(
             tried,
             budget,
         )
-    others = []
-    for c in tried:
-        if c is best:
-            continue
-        if c.error is not None:
-            others.append(f"{c.name} n/a")
-        elif c.device_bytes > budget:
-            others.append(f"{c.name} needs {c.need_text()}")
-        else:
-            others.append(f"{c.name} fits but moves {fmt_bytes(c.traffic)}")
-    skipped = [n for n, _ in pending_offload if not any(c.name == n for c in tried)]
-    if skipped:
-        others.append(f"{', '.join(skipped)} not compiled (cannot move less)")
-    moved = f"{fmt_bytes(best.collectives.total_bytes)} of collectives" if best.collectives else ""
-    if best.host_bytes:
-        moved += f" + {fmt_bytes(2 * best.host_bytes)} host copies"
+    rivals = sorted((c for c in tried if fits(c) and c is not best), key=_key)
+    why = "the fastest estimated step that fits"
+    if rivals:
+        why += f" (next: {rivals[0].name}, {rivals[0].estimate_s * 1e3:.3g} ms)"
+    remat_piece = best.strategy.find(Remat)
+    if remat_piece is not None:
+        why += (
+            f"; it rematerialises (policy {remat_piece.policy!r}) the LayerStacks built with remat=None, "
+            f"stacks with an explicit remat keep theirs"
+        )
     msg = (
-        f'strategy="auto": {best.name} ({best.mesh_text}), the least communication that fits: needs '
-        f"{best.need_text()} of {budget_text}, moves {moved} per step" + (f"; {'; '.join(others)}" if others else "")
+        f'strategy="auto": {best.name} ({best.mesh_text}), {why}: needs {best.need_text()} of {budget_text}, '
+        f"estimated {best.estimate_text()} per step"
     )
+    msg += "\n" + _plan_table(tried, skipped, best, budget) + f"\n  estimate speeds: {speeds.describe()}"
     return AutoChoice(best.strategy, best, tried, limit, budget, msg)
 
 
-def _base_of(strategy: Strategy, tried: Sequence[Candidate]) -> Candidate | None:
-    """The compiled candidate with ``strategy``'s pieces less HostOffload."""
-    base = tuple(p for p in strategy.pieces if not isinstance(p, HostOffload))
+def _plan_table(tried: Sequence[Candidate], skipped: Sequence[tuple[str, str]], best: Candidate, budget: int) -> str:
+    """One line per candidate: mesh, device need (memory_analysis), host bytes, estimate, verdict."""
+    rows = [("candidate", "mesh", "device need", "host", "estimated step", "verdict")]
     for c in tried:
-        if tuple(p for p in c.strategy.pieces if not isinstance(p, HostOffload)) == base:
+        if c.error is not None:
+            rows.append((c.name, "-", "-", "-", "-", f"n/a: {c.error}"))
+            continue
+        verdict = "chosen" if c is best else ("fits" if c.device_bytes <= budget else "does not fit")
+        rows.append(
+            (c.name, c.mesh_text, fmt_bytes(c.device_bytes), fmt_bytes(c.host_bytes), c.estimate_text(), verdict)
+        )
+    for name, why in skipped:
+        rows.append((name, "-", "-", "-", "-", f"not compiled: {why}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _base_of(strategy: Strategy, tried: Sequence[Candidate], less: tuple[type, ...]) -> Candidate | None:
+    """The compiled candidate with ``strategy``'s pieces less those of the types ``less``."""
+    base = tuple(p for p in strategy.pieces if not isinstance(p, less))
+    for c in tried:
+        if tuple(p for p in c.strategy.pieces if not isinstance(p, less)) == base and not (
+            set(map(type, c.strategy.pieces)) & set(less)
+        ):
             return c
     return None
 
 
-def _key(c: Candidate) -> tuple[int, int]:
-    return (c.traffic, c.device_bytes)
+def _key(c: Candidate) -> tuple[float, int]:
+    return (c.estimate_s, c.device_bytes)
 
 
 def _try(name, strategy, module, tx, batch, devices, precision, trainer, callbacks, prefetch, process_local):
@@ -466,6 +611,7 @@ class AutoStrategy:
         *,
         headroom: float = HEADROOM,
         candidates: Sequence[str | Strategy] = CANDIDATES,
+        speeds: StepSpeeds | None = None,
     ) -> None:
         if device_memory is not None:
             try:
@@ -477,6 +623,7 @@ class AutoStrategy:
         self.device_memory = device_memory
         self.headroom = headroom
         self.candidates = tuple(candidates)
+        self.speeds = speeds
         self.choice: AutoChoice | None = None
         self._module_id: int | None = None
 
@@ -530,6 +677,7 @@ class AutoStrategy:
                 callbacks=trainer.callbacks,
                 prefetch=trainer.prefetch,
                 process_local=trainer.process_local_batches,
+                speeds=self.speeds,
             )
         self.choice, self._module_id = choice, id(module)
         if trainer.enable_model_summary:  # part of the summary: quiet with it off (kept in self.choice.message)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlight.axis_names import AxisNames
+from jaxlight.loss_scale import GradScaler, LossScaleState, all_finite
 from jaxlight.manual import ManualContext, ManualOptimizer, manual_context
 from jaxlight.metrics import Collector
 from jaxlight.optim import AccumulationState
@@ -64,7 +65,11 @@ class TrainState(NamedTuple):
     - ``callback_state``: in-step state owned by callbacks (a :class:`StepExtension`, e.g. EMA weights),
       keyed by the extension's name; leaves that mirror a parameter take its sharding.
     - ``step``: int32 scalar, optimizer updates applied so far (``trainer.global_step`` on the device;
-      manual optimization: train batches that stepped).
+      manual optimization: train batches that stepped). Updates skipped for a non-finite gradient
+      (``NonFiniteGuard("skip")``, the ``"16-mixed"`` loss scaler) are not counted here; the host's
+      ``global_step`` counts them, as Lightning's does.
+    - ``loss_scale``: ``"16-mixed"``: the :class:`~jaxlight.loss_scale.LossScaleState` (scale, good steps),
+      replicated; None under every other precision.
     """
 
     params: dict[str, jax.Array]
@@ -72,6 +77,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     callback_state: dict[str, Any]
     step: jax.Array
+    loss_scale: LossScaleState | None = None
 
 
 # ----------------------------------------------------------------------------------------- outputs
@@ -146,6 +152,8 @@ class StepBuilder:
         self.extensions = extensions
         self.with_grad_norm = with_grad_norm
         self.skip_nonfinite = skip_nonfinite
+        # "16-mixed": loss scaling (jaxlight/loss_scale.py); None for every other precision
+        self.scaler: GradScaler | None = precision.scaler if precision.scaler and precision.scaler.enabled else None
         self.manual = manual
         self.handles = list(handles)  # manual: what self.optimizers() returns while the step is traced
         # pmap-era axis names the step methods reduce over (jaxlight/axis_names.py), found while traced
@@ -184,7 +192,7 @@ class StepBuilder:
             state, outputs = self.update(state, None, aux)
             logs = outputs.pop("_logs")
             return state, outputs, logs
-        prec = self.precision
+        prec, scaler, scale_state = self.precision, self.scaler, state.loss_scale
         owner = type(self.module).__name__
 
         def loss_fn(params, batch):
@@ -206,20 +214,25 @@ class StepBuilder:
             # the optimizer's update applied on top of the written value (Lightning's order)
             written = written_params(self.parts, models, bound, state.params, owner)
             self.log_specs["train"] = col.specs
-            return loss.astype(jnp.float32), (extras, col.values, rest, written)
+            loss = loss.astype(jnp.float32)
+            # "16-mixed": the scaled loss is differentiated (fp16 gradients would underflow otherwise)
+            scaled = scaler.scale(loss, scale_state) if scaler is not None else loss
+            return scaled, (loss, extras, col.values, rest, written)
 
         traced = lambda params, batch: self.axes.call(loss_fn, owner, "training_step", params, batch)
         pipe = active_pipeline()
         if pipe is not None and pipe.stages > 1 and pipe.schedule == pipeline_1f1b.SCHEDULE:
             # the loss per microbatch inside the pipeline schedule (jaxlight/strategies/pipeline_1f1b.py)
             stack_keys = frozenset(stack_params(state.params, self.parts.params.variables))
-            (loss, (extras, logs, rest, written)), grads = pipeline_1f1b.value_and_grad(
+            (_, (loss, extras, logs, rest, written)), grads = pipeline_1f1b.value_and_grad(
                 traced, state.params, batch, state.model_state, stack_keys, pipe
             )
             logs = pipeline_1f1b.combine_logs(logs, self.log_specs.get("train", {}))
         else:
             grad_fn = jax.value_and_grad(lambda params: traced(params, batch), has_aux=True)
-            (loss, (extras, logs, rest, written)), grads = grad_fn(state.params)
+            (_, (loss, extras, logs, rest, written)), grads = grad_fn(state.params)
+        if scaler is not None:
+            grads = scaler.unscale(grads, scale_state)  # in float32: the masters' dtype
         aux = {"loss": loss, "rest": rest, "flush": flush, "written": written}
         state, more = self.update(state, grads, aux)
         return state, {"loss": loss, **extras, **more}, logs
@@ -237,19 +250,37 @@ class StepBuilder:
             gnorm = optax.global_norm(grads)
             outputs["grad_norm"] = gnorm
         accumulating = isinstance(state.opt_state, AccumulationState)
+        scaler = self.scaler
+        finite = None
+        if scaler is not None:
+            # torch's GradScaler checks the gradients the optimizer would apply: under accumulation the
+            # window's sum so far (an Inf or NaN of any micro-batch stays in it); the scale holds inside a window
+            window = jax.tree.map(jnp.add, state.opt_state.acc_grads, grads) if accumulating else grads
+            finite = all_finite(window)
+            outputs["loss_scale"] = state.loss_scale.scale
         if self.skip_nonfinite:
-            ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            # under "16-mixed" a non-finite gradient is the scaler's to skip (and to back the scale off on)
+            ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) if scaler is None else jnp.isfinite(loss)
             outputs["skipped"] = ~ok
             if accumulating:
                 # Under accumulation the bad micro-batch still counts towards its window (so the
                 # update boundary stays aligned with global_step) but contributes a zero gradient.
                 grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
-        if accumulating:
-            updates, opt_state = self.tx.update(grads, state.opt_state, base, flush=aux["flush"])
+        as_stored = lambda tree: {k: v.astype(state.params[k].dtype) for k, v in tree.items()}
+
+        def apply(grads: Any) -> tuple[Any, Any]:
+            if accumulating:
+                updates, opt_state = self.tx.update(grads, state.opt_state, base, flush=aux["flush"])
+            else:
+                updates, opt_state = self.tx.update(grads, state.opt_state, base)
+            return as_stored(optax.apply_updates(base, updates)), opt_state
+
+        if scaler is not None and not accumulating:
+            # a cond, not a select of both results: the skipped branch costs nothing and the update stays
+            # in place (selecting between new and old state costs XLA:CPU copies of both)
+            params, opt_state = jax.lax.cond(finite, apply, lambda _: (as_stored(base), state.opt_state), grads)
         else:
-            updates, opt_state = self.tx.update(grads, state.opt_state, base)
-        params = optax.apply_updates(base, updates)
-        params = {k: v.astype(state.params[k].dtype) for k, v in params.items()}
+            params, opt_state = apply(grads)
         if self.skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             if not accumulating:
@@ -259,15 +290,35 @@ class StepBuilder:
         updated = _has_updated(opt_state)
         if self.skip_nonfinite and not accumulating:
             updated = updated & ok
-        return self._finish(state, params, rest, opt_state, updated, outputs)
+        loss_scale = state.loss_scale
+        if scaler is not None:
+            # a skipped step: parameters and the optimizer's state as they were (the model's other state,
+            # e.g. BatchNorm statistics, keeps what the forward did, as in torch); at a window's end only
+            if accumulating:  # the window is over either way: its sum is dropped with the update
+                keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+                params = keep(params, as_stored(base))
+                opt_state = opt_state._replace(inner_state=keep(opt_state.inner_state, state.opt_state.inner_state))
+            stepped = _has_updated(opt_state)
+            loss_scale = jax.tree.map(
+                lambda n, o: jnp.where(stepped, n, o), scaler.update(state.loss_scale, finite), state.loss_scale
+            )
+            updated = updated & finite
+        return self._finish(state, params, rest, opt_state, updated, outputs, loss_scale)
 
     def _finish(
-        self, state: TrainState, params: Any, rest: Any, opt_state: Any, updated: Any, outputs: dict[str, Any]
+        self,
+        state: TrainState,
+        params: Any,
+        rest: Any,
+        opt_state: Any,
+        updated: Any,
+        outputs: dict[str, Any],
+        loss_scale: Any = None,
     ) -> tuple[TrainState, dict[str, Any]]:
         step = state.step + updated.astype(jnp.int32)
         info = {"updated": updated, "step": step}
         extra = {e.name: e.update(state.callback_state[e.name], params, info) for e in self.extensions}
-        return TrainState(params, rest, opt_state, extra, step), outputs
+        return TrainState(params, rest, opt_state, extra, step, loss_scale), outputs
 
     def _manual_update(self, state: TrainState, grads: Any, aux: dict[str, Any]) -> tuple[TrainState, dict[str, Any]]:
         """``training_step`` with its own ``manual_backward`` / ``opt.step`` calls, on ``aux["batch"]``."""
@@ -297,18 +348,21 @@ class StepBuilder:
         loss = jnp.asarray(loss, jnp.float32)
         outputs: dict[str, Any] = {"loss": loss, **extras}
         params, rest, opt_state = ctx.params, ctx.rest, tuple(ctx.opt_states)
+        if self.scaler is not None:
+            outputs["loss_scale"] = state.loss_scale.scale
         updated = jnp.bool_(True)
         if self.with_grad_norm or self.skip_nonfinite:
             gnorm = optax.global_norm(ctx.grads) if ctx.grads else jnp.float32(0.0)
             outputs["grad_norm"] = gnorm
             if self.skip_nonfinite:
-                ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+                # under "16-mixed" opt.step already skipped a non-finite gradient (and backed the scale off)
+                ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) if self.scaler is None else jnp.isfinite(loss)
                 outputs["skipped"] = ~ok
                 keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
                 params, rest = keep(params, state.params), keep(rest, state.model_state)
                 opt_state = keep(opt_state, state.opt_state)
                 updated = ok
-        state, outputs = self._finish(state, params, rest, opt_state, updated, outputs)
+        state, outputs = self._finish(state, params, rest, opt_state, updated, outputs, ctx.loss_scale)
         outputs["_logs"] = col.values
         return state, outputs
 

@@ -233,9 +233,12 @@ def test_precision_and_strategy_claims():
     """The precision and strategy rows: aliases map as the table says, refused values raise."""
     assert jl.Trainer(precision="bf16", logger=False).precision == "bf16-mixed"
     assert jl.Trainer(precision=32, logger=False).precision == "32-true"
-    for bad in ("16-mixed", 16, "transformer-engine"):
-        with pytest.raises(ValueError, match="not supported"):
-            jl.Trainer(precision=bad, logger=False)
+    for given in ("16-mixed", 16, "16"):
+        assert jl.Trainer(precision=given, logger=False).precision_plugin.scaler == jl.GradScaler()
+    with pytest.raises(ValueError, match="not supported"):
+        jl.Trainer(precision="transformer-engine", logger=False)
+    with pytest.raises(jl.MisconfigurationError, match="not a plugin jaxlight has"):
+        jl.Trainer(plugins=[object()], logger=False)
     for bad in ("ddp_spawn", "deepspeed_stage_3"):
         with pytest.raises(ValueError, match="unknown strategy"):
             jl.Trainer(strategy=bad, logger=False)

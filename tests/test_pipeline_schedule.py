@@ -253,11 +253,9 @@ def test_refusals_say_the_numbers(model):
         PipelineParallel(4, 2)
     with pytest.raises(ValueError, match=r"microbatches=2 is fewer than stages=8: the pipeline would idle 78%"):
         PipelineParallel(microbatches=2).check_batch({"tokens": (16, 9)}, dict(mesh8.shape))
+    # stage x sequence is accepted (tests/test_pipeline_sequence.py trains it); what it cannot run is refused there
     seq = resolve_strategy(PipelineParallel(2) + jl.strategies.Layout(axes={"sequence": 2}))
-    with pytest.raises(
-        ValueError, match=r"does not compose with sequence parallelism yet \(mesh stage=2, sequence=2\)"
-    ):
-        seq.check_model(params, parts.params.variables, seq.build_mesh(jax.devices()))
+    assert seq.check_model(params, parts.params.variables, seq.build_mesh(jax.devices())) is None
     with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
         PipelineParallel(4, repeats=2)
     with pytest.raises(

@@ -12,7 +12,7 @@ import jaxlight as jl
 from jaxlight.precision import PRECISIONS, resolve_precision
 from tests.core_models import Classifier, batches, make_data, quiet
 
-VALID = r"choose one of \('32-true', 'bf16-mixed', 'bf16-true', '16-true', '64-true'\)"
+VALID = r"choose one of \('32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', '64-true'\)"
 
 
 @pytest.mark.parametrize(
@@ -25,9 +25,10 @@ def test_lightning_aliases(given, name):
 
 
 @pytest.mark.parametrize("given", ["16-mixed", "16", 16])
-def test_fp16_mixed_is_refused_with_the_reason(given):
-    with pytest.raises(ValueError, match=VALID + r".*needs dynamic loss scaling.*use 'bf16-mixed'"):
-        jl.Trainer(precision=given)
+def test_fp16_mixed_is_accepted_with_loss_scaling(given):
+    # tests/test_loss_scaling.py trains with it; here: Lightning's spellings reach the policy and its scaler
+    trainer = jl.Trainer(precision=given, **quiet())
+    assert trainer.precision == "16-mixed" and trainer.precision_plugin.scaler == jl.GradScaler()
 
 
 @pytest.mark.parametrize("given", ["fp8", True, "transformer-engine", 8])
@@ -47,7 +48,7 @@ def test_double_precision_needs_x64():
         assert prec.name == "64-true" and prec.store({"w": jnp.ones(2, jnp.float32)})["w"].dtype == jnp.float64
     finally:
         jax.config.update("jax_enable_x64", False)
-    assert set(PRECISIONS) == {"32-true", "bf16-mixed", "bf16-true", "16-true", "64-true"}
+    assert set(PRECISIONS) == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"}
 
 
 class ConvNet(nnx.Module):

@@ -440,7 +440,7 @@ def test_example_model_attention_is_unchanged(monkeypatch):
             jax.tree_util.keystr(k): np.asarray(g) for k, g in jax.tree_util.tree_leaves_with_path(grads)
         }
 
-    def previous(q, k, v, *, causal):  # the model's attention before jl.nn.attention
+    def previous(q, k, v, *, causal, implementation=None):  # the model's attention before jl.nn.attention
         t = q.shape[1]
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
         scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores, jnp.finfo(scores.dtype).min)

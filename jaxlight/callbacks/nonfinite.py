@@ -39,7 +39,8 @@ class NonFiniteGuard(Callback):
     the last steps are checked at epoch and train end, so a stop happens at
     most that many steps after the bad one but always reports that exact step.
     The gradient norm is also returned in the step outputs as
-    ``"grad_norm"``.
+    ``"grad_norm"``. Under ``precision="16-mixed"`` the loss scaler owns non-finite gradients (it skips the
+    update and lowers the scale, as torch's GradScaler does), so the guard checks the loss only.
     """
 
     needs_grad_norm = True
@@ -68,7 +69,11 @@ class NonFiniteGuard(Callback):
         # the optimizer update this batch contributes to (the position has already counted it)
         step = info.global_step - 1 if info.stepped else info.global_step
         outputs = info.outputs
-        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], outputs.get("grad_norm")))
+        # under "16-mixed" (a "loss_scale" output) a non-finite gradient is expected now and then: the loss
+        # scaler skips that update and lowers the scale, so only the loss is checked
+        scaled = "loss_scale" in outputs
+        gnorm = None if scaled else outputs.get("grad_norm")
+        self._pending.append((step, info.epoch, info.batch_idx, outputs["loss"], gnorm, scaled))
         # entries older than the run-ahead window belong to steps the trainer has already waited for
         from jaxlight.config import RUN_AHEAD
 
@@ -99,13 +104,13 @@ class NonFiniteGuard(Callback):
     def _check(self, entries: list[tuple]) -> None:
         if not entries:
             return
-        values = jax.device_get([(loss, gn) for _, _, _, loss, gn in entries])  # one transfer
-        for (step, epoch, idx, _, _), (loss, gn) in zip(entries, values):
+        values = jax.device_get([(loss, gn) for _, _, _, loss, gn, _ in entries])  # one transfer
+        for (step, epoch, idx, _, _, scaled), (loss, gn) in zip(entries, values):
             loss = float(np.asarray(loss))
             gn = float(np.asarray(gn)) if gn is not None else 0.0
             if math.isfinite(loss) and math.isfinite(gn):
                 continue
-            what = f"loss={loss}, grad_norm={gn}"
+            what = f"loss={loss}" if scaled else f"loss={loss}, grad_norm={gn}"
             if self.action == "skip":
                 self.skipped.append(step)
                 if self.verbose:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.flops import matmul_flops
+from jaxlight.flops import matmul_dtypes, matmul_flops
 from jaxlight.rank_zero import rank_zero_warn
 from jaxlight.step_info import StepInfo
 
@@ -89,8 +89,12 @@ class ThroughputMonitor(Callback):
     ``host/state_bytes`` (the train state's bytes in device memory and in host
     memory under host offload, counted from the arrays' shards, since XLA:CPU's
     ``memory_analysis()`` reports no host bytes) and ``device/temp_bytes``
-    (the compiled step's temporaries from ``memory_analysis()``). Latest values
-    are in ``self.metrics``.
+    (the compiled step's temporaries from ``memory_analysis()``). The matrix products' FLOPs per step and
+    device by operand dtypes are logged as ``matmul_flops/<lhs>_<rhs>`` (``matmul_flops/bf16_bf16``,
+    ``matmul_flops/fp32_bf16``...), with ``matmul_half_fraction``, the share whose two operands are 16-bit
+    floats (what a ``"bf16-mixed"`` step should have near 1; see
+    :class:`~jaxlight.errors.Float32MatmulWarning`); the breakdown is also in ``self.flops_by_dtype``. Latest
+    values are in ``self.metrics``.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class ThroughputMonitor(Callback):
         self.window = window
         self.separator = separator
         self.flops_per_step: float | None = None
+        self.flops_by_dtype: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         self._peak: float | None = peak_flops
         self._paused = 0.0
@@ -128,6 +133,7 @@ class ThroughputMonitor(Callback):
         self._samples.clear()
         self._items.clear()
         self.flops_per_step = None
+        self.flops_by_dtype = {}
         self._peak = self.peak_flops or peak_flops(info.device, info.precision)
         self._paused = 0.0
 
@@ -152,6 +158,7 @@ class ThroughputMonitor(Callback):
         self._items.append(self.length_fn(info.batch))
         if self.flops_per_step is None and "train" in info.compiled:
             self.flops_per_step = _flops(info.compiled["train"], info.num_devices)
+            self.flops_by_dtype = _flops_by_dtype(info.compiled["train"], info.num_devices, self.separator)
             self.memory = _memory(info.compiled["train"], info.state, self.separator)
         if not (info.stepped and info.global_step % info.log_every_n_steps == 0):
             return None
@@ -204,6 +211,7 @@ class ThroughputMonitor(Callback):
             out["flops_per_sec"] = dev * num_devices
             if self._peak:
                 out[f"device{sep}mfu"] = dev / self._peak
+        out.update(self.flops_by_dtype)
         out.update(self.memory)
         return {f"train{sep}{k}": v for k, v in out.items()}
 
@@ -219,6 +227,26 @@ def _memory(compiled: Any, state: Any, sep: str) -> dict[str, float]:
         out[f"device{sep}temp_bytes"] = float(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:
         pass  # not every backend reports it
+    return out
+
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def _flops_by_dtype(compiled: Any, devices: int, sep: str) -> dict[str, float]:
+    """``matmul_flops/<lhs>_<rhs>`` per step and device and ``matmul_half_fraction`` of the traced step
+    (:func:`jaxlight.flops.matmul_dtypes`); empty when the step carries no traced program."""
+    jaxpr = getattr(compiled, "jaxpr", None)
+    if jaxpr is None:
+        return {}
+    count = matmul_dtypes(jaxpr)
+    per = max(1, devices) * max(1, getattr(compiled, "steps", 1))
+    out = {
+        f"matmul_flops{sep}{_SHORT.get(a, a)}_{_SHORT.get(b, b)}": flops / per
+        for (a, b), flops in count.by_dtype.items()
+    }
+    if count.flops:
+        out["matmul_half_fraction"] = count.half_fraction
     return out
 
 

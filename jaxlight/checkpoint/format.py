@@ -7,9 +7,9 @@ with these items (docs/checkpointing.md describes each file):
   parameters and its other NNX state (``TrainState.model_state``) keyed by the
   same "/"-joined paths as ``jaxlight.state`` (RNG keys are stored as their raw
   ``key_data`` and re-wrapped on restore);
-- ``train``: ``{"opt_state": ..., "extra": ..., "step": ...}``, the optax state,
-  callback-owned in-step state (``TrainState.callback_state``, e.g. EMA) and the
-  device step counter, each flattened to path-keyed dicts (absent in
+- ``train``: ``{"opt_state": ..., "extra": ..., "step": ..., "loss_scale": ...}``, the optax state,
+  callback-owned in-step state (``TrainState.callback_state``, e.g. EMA), the
+  device step counter and ``"16-mixed"``'s loss scaler state (absent under other precisions), each flattened to path-keyed dicts (absent in
   weights-only checkpoints);
 - ``meta``: JSON with readable facts and the encoded host state
   (:mod:`jaxlight.checkpoint.host_state`);
@@ -362,8 +362,8 @@ def _check_match(path: Path, saved: dict[str, dict[str, tuple]], target: dict[st
             lines.append(f"  shapes differ ({len(shapes)}): {listing(shapes)}")
         if item == "train":
             lines.append(
-                "  (was the optimizer, accumulate_grad_batches, gradient clipping or an EMA callback "
-                "changed since the checkpoint was written?)"
+                "  (was the optimizer, accumulate_grad_batches, gradient clipping, an EMA callback or the "
+                "precision ('16-mixed' saves its loss scale) changed since the checkpoint was written?)"
             )
         raise CheckpointError("\n".join(lines))
 

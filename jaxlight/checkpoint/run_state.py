@@ -50,7 +50,7 @@ from jaxlight.errors import CheckpointError
 from jaxlight.rank_zero import rank_zero_warn
 
 # the fields of a snapshot that hold arrays (a pytree's children); the others are host data
-ARRAY_FIELDS = ("params", "model_state", "opt_state", "callback_state", "step")
+ARRAY_FIELDS = ("params", "model_state", "opt_state", "callback_state", "step", "loss_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,8 @@ class RunSnapshot:
     """What a checkpoint of a run holds, as one value (a pytree whose leaves are the arrays).
 
     ``params`` and ``model_state`` map ``jaxlight.state`` paths to arrays (the
-    ``model`` item); ``opt_state``, ``callback_state`` and ``step`` are the rest
+    ``model`` item); ``opt_state``, ``callback_state``, ``step`` and ``loss_scale``
+    (``"16-mixed"``'s scaler state, else None) are the rest
     of a ``TrainState`` (the ``train`` item), ``None`` when there is no train
     state (a module saved outside fit, or a weights-only checkpoint). ``host``
     is Lightning's checkpoint dict without the device arrays (stored as tagged
@@ -75,6 +76,7 @@ class RunSnapshot:
     opt_state: Any = None
     callback_state: Any = None
     step: Any = None
+    loss_scale: Any = None
     host: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     weights_only: bool = False
@@ -110,6 +112,7 @@ def _groups(contents: RunSnapshot) -> tuple[dict[str, dict], dict[str, str]]:
             "opt_state": flatten(contents.opt_state),
             "extra": flatten(contents.callback_state),
             "step": {"step": contents.step},
+            "loss_scale": flatten(contents.loss_scale),
         }
         groups["train"] = {g: encode_keys(d, g, impls) for g, d in train.items() if d}
     return groups, impls
@@ -283,6 +286,7 @@ def _targets(like: RunSnapshot, shardings: RunSnapshot) -> dict[str, dict]:
             "opt_state": abstract_like(flatten(like.opt_state), flatten(shardings.opt_state)),
             "extra": abstract_like(flatten(like.callback_state), flatten(shardings.callback_state)),
             "step": abstract_like({"step": like.step}, {"step": shardings.step}),
+            "loss_scale": abstract_like(flatten(like.loss_scale), flatten(shardings.loss_scale)),
         }
     return {g: {k: d for k, d in item.items() if d} for g, item in out.items()}
 
@@ -329,6 +333,7 @@ def restore(
             opt_state=unflatten_like(like.opt_state, train.get("opt_state", {})),
             callback_state=unflatten_like(like.callback_state, train.get("extra", {})),
             step=train["step"]["step"],
+            loss_scale=unflatten_like(like.loss_scale, train.get("loss_scale", {})),
         )
     return out
 

@@ -101,6 +101,7 @@ def apply_restored(
             opt_state=restored.opt_state,
             callback_state=restored.callback_state,
             step=restored.step,
+            loss_scale=restored.loss_scale,
         )
     elif st is not None:
         trainer.train_state = st._replace(params=restored.params, model_state=restored.model_state)
@@ -207,7 +208,9 @@ def snapshot_of(view: RunView, weights_only: bool = False) -> RunSnapshot:
     snap = RunSnapshot(dict(state.params), dict(state.model_state), host=host, facts=facts, weights_only=weights_only)
     if weights_only:
         return snap
-    return snap.replace(opt_state=state.opt_state, callback_state=state.callback_state, step=state.step)
+    return snap.replace(
+        opt_state=state.opt_state, callback_state=state.callback_state, step=state.step, loss_scale=state.loss_scale
+    )
 
 
 def save_checkpoint(
@@ -238,8 +241,11 @@ def _like(view: RunView, with_train: bool) -> tuple[RunSnapshot, RunSnapshot]:
     if not with_train:
         like = RunSnapshot(dict(state.params), dict(state.model_state))
         return like, RunSnapshot(dict(shs.params), dict(shs.model_state))
-    like = RunSnapshot(dict(state.params), dict(state.model_state), state.opt_state, state.callback_state, state.step)
-    return like, RunSnapshot(dict(shs.params), dict(shs.model_state), shs.opt_state, shs.callback_state, shs.step)
+    like = RunSnapshot(
+        dict(state.params), dict(state.model_state), state.opt_state, state.callback_state, state.step, state.loss_scale
+    )
+    shardings = (shs.opt_state, shs.callback_state, shs.step, shs.loss_scale)
+    return like, RunSnapshot(dict(shs.params), dict(shs.model_state), *shardings)
 
 
 def _load_logger_states(loggers: Sequence[Any], ckpt: Mapping[str, Any]) -> None:

@@ -8,9 +8,12 @@ enters a context while it traces the step, and the same call runs one of the
 strategy's exchanges instead (Ulysses all-to-all, all-gather of keys/values,
 or a ring), with the same result up to float rounding.
 
-All paths share one blockwise kernel, :mod:`jaxlight.strategies.attention_kernel`
+The kernel is the blockwise one, :mod:`jaxlight.strategies.attention_kernel`
 (online softmax over blocks of keys with a recomputing custom VJP; its block
-size is ``attention_kernel.BLOCK``). This module holds only the model-facing
+size is ``attention_kernel.BLOCK``), or a fused one where it is faster
+(XLA's or cuDNN's :func:`jax.nn.dot_product_attention`), as
+:mod:`jaxlight.strategies.attention_backends` chooses; the ring exchange
+always runs the blockwise kernel. This module holds only the model-facing
 call and its argument checks.
 """
 
@@ -23,7 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlight.strategies.attention_kernel import active_attend, local_attention
+from jaxlight.strategies.attention_backends import Implementation, run_local
+from jaxlight.strategies.attention_kernel import active_attend
 
 __all__ = ["attention"]
 
@@ -36,6 +40,7 @@ def attention(
     causal: bool = False,
     mask: jax.Array | None = None,
     scale: float | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     """Exact multi-head attention, ``softmax(scale * q k^T + masking) v``.
 
@@ -52,21 +57,34 @@ def attention(
       1 (a key padding mask is ``pad[:, None, None, :]``). Combined with
       ``causal`` by AND.
     - ``scale``: multiplies the scores; default ``1 / sqrt(head_dim)``.
+    - ``implementation``: the kernel. ``"blockwise"`` (jaxlight's, any
+      dtype and head_dim, what the sequence-parallel ring runs), ``"xla"``
+      (:func:`jax.nn.dot_product_attention`'s XLA kernel: q, k, v of one
+      dtype and one head_dim), ``"cudnn"`` (cuDNN's fused kernel: an NVIDIA
+      GPU, bfloat16/float16, head_dim a multiple of 8 up to 128, 256 from
+      Hopper on) or None: cuDNN's where it runs, XLA's on other GPU calls
+      whose float32 scores fit 1 GiB, else the blockwise kernel (docs/models.md
+      has the rule and its measurements). A named kernel that cannot run the
+      call raises :class:`~jaxlight.strategies.attention_backends.AttentionImplementationError`
+      saying why, with the numbers; it is never replaced silently.
 
     Guarantees: scores and the softmax are computed in float32 whatever the
     input dtype, the output has ``q``'s dtype, and a query row whose keys are
     all masked out gets zeros (and zero gradients), never NaN. Under a
     sequence-parallel strategy the result equals this one up to float
-    rounding, on every path.
+    rounding, on every path. These hold on every kernel (the fused ones compute
+    the same function; their results differ from the blockwise kernel's by
+    float rounding only).
     """
     _check_args(q, k, v, mask, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     mask = _normalize_mask(mask, q, k)
     attend = active_attend()
+    args = dict(causal=bool(causal), mask=mask, scale=float(scale), implementation=implementation)
     if attend is not None:
-        return attend(q, k, v, causal=bool(causal), mask=mask, scale=float(scale))
-    return local_attention(q, k, v, causal=bool(causal), mask=mask, scale=float(scale))
+        return attend(q, k, v, **args)
+    return run_local(q, k, v, **args)
 
 
 # ----------------------------------------------------------------------------- argument checks

@@ -31,6 +31,7 @@ from jaxlight.strategies.pipeline import (
     run_pipeline,
     scan_layers,
 )
+from jaxlight.strategies.remat import unset_remat
 
 __all__ = ["LayerStack"]
 
@@ -51,6 +52,8 @@ class LayerStack(nnx.Module):
             (keep only each layer's input), ``"dots_saveable"``,
             ``"dots_with_no_batch_dims_saveable"``, or any policy from
             ``jax.checkpoint_policies`` (e.g. ``save_only_these_names(...)``).
+            None lets a ``Remat`` strategy piece (``"fsdp+remat"``, or what
+            ``strategy="auto"`` picks) choose; any other value is kept.
 
     Guarantees: every variable of the stack has shape ``(num_layers, ...)``
     and logical axes ``("layers", *the layer's names)`` (unannotated
@@ -91,7 +94,8 @@ class LayerStack(nnx.Module):
 
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-        policy = remat_policy(self.remat)
+        # remat=None: the user chose nothing, so a Remat strategy piece may (never over an explicit choice)
+        policy = remat_policy(self.remat if self.remat is not None else unset_remat())
 
         def layer(p, r, h, a, kw):
             mod = nnx.merge(graphdef, p, r)

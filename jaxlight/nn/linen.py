@@ -21,9 +21,10 @@ trainer's steps), so the step code never threads Linen's ``mutable=`` or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -93,6 +94,44 @@ def eval_clone(module: nn.Module) -> nn.Module:
     for head, changes in nested.items():
         top[head] = dataclasses.replace(getattr(module, head), **changes)
     return module.clone(**top) if top else module
+
+
+#: Linen layers whose ``dtype`` parametrises a weight (a power iteration, a norm of the kernel), not the
+#: activations' compute: they keep flax's default.
+_WEIGHT_REPARAMETRISATIONS = (nn.SpectralNorm, nn.WeightNorm)
+
+
+def follows_policy(module: nn.Module) -> bool:
+    """Whether ``module`` is a flax Linen layer (``Dense``, ``Conv``, ``Embed``, the norms, attention...) that
+    leaves its compute ``dtype`` to flax (None). Users' own modules are never touched."""
+    return (
+        type(module).__module__.startswith("flax.")
+        and getattr(module, "dtype", 0) is None
+        and hasattr(module, "param_dtype")
+        and not isinstance(module, _WEIGHT_REPARAMETRISATIONS)
+    )
+
+
+@contextlib.contextmanager
+def compute_in(dtype: Any) -> Iterator[None]:
+    """Inside, every flax Linen layer that :func:`follows_policy` and is called computes in ``dtype``, as if
+    built with ``dtype=dtype`` (None: nothing changes).
+
+    The layer objects a call sees are the bound clones ``apply`` makes, never the user's module, so the
+    dtype is set on them for the call (``nn.intercept_methods``) and they are discarded after ``apply``.
+    """
+    if dtype is None:
+        yield
+        return
+
+    def interceptor(next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        if context.method_name != "setup" and follows_policy(module):
+            object.__setattr__(module, "dtype", dtype)  # a frozen dataclass field of a bound clone
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        yield
 
 
 def _tracing() -> bool:
@@ -196,6 +235,7 @@ class LinenModule(ToNNX):
         # tuples of pairs: static attributes of the NNX graph must be hashable
         self.to_nnx__train_kwargs = tuple(dict(train_kwargs or {}).items())
         self.to_nnx__eval_kwargs = tuple(dict(eval_kwargs or {}).items())
+        self.to_nnx__compute_dtype = None  # set by the trainer's precision (Precision.bind) in its steps
         self.deterministic = False
 
     # -------------------------------------------------------------- variables
@@ -249,6 +289,11 @@ class LinenModule(ToNNX):
                 f"initialise it with arguments that create them, or call module.apply(self.net.linen_variables(), "
                 f"..., mutable=...) yourself to read such collections (e.g. sown intermediates)."
             )
+
+    def _jaxlight_compute_dtype(self, dtype: Any) -> None:
+        """``Precision.bind``: inside this step, flax Linen layers that leave their ``dtype`` to flax
+        compute in ``dtype`` (:func:`compute_in`)."""
+        self.to_nnx__compute_dtype = dtype
 
     # -------------------------------------------------------------- calling
     def _draw_rngs(self, rngs: Any, init: bool) -> dict[str, jax.Array]:
@@ -345,7 +390,8 @@ class LinenModule(ToNNX):
             carried = sorted({k[0] for k in held} - {"params"})
             mutable = carried if training and carried else False
         try:
-            res = module.apply(variables, *args, rngs=linen_rngs, method=method, mutable=mutable, **kwargs)
+            with compute_in(self.to_nnx__compute_dtype):
+                res = module.apply(variables, *args, rngs=linen_rngs, method=method, mutable=mutable, **kwargs)
         except ModifyScopeVariableError as e:
             if not self.deterministic:
                 raise

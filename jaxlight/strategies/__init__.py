@@ -9,6 +9,7 @@ from jaxlight.strategies.expert import ExpertParallel
 from jaxlight.strategies.offload import HostOffload
 from jaxlight.strategies.pipeline import PipelineParallel
 from jaxlight.strategies.placement import LayoutError
+from jaxlight.strategies.remat import Remat
 from jaxlight.strategies.rules import (
     BATCH_AXES,
     DEFAULT_RULES,
@@ -49,6 +50,7 @@ __all__ = [
     "LayoutError",
     "Piece",
     "PipelineParallel",
+    "Remat",
     "SequenceParallel",
     "Strategy",
     "TensorParallel",

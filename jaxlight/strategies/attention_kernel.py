@@ -47,7 +47,8 @@ __all__ = [
 _ctx = threading.local()
 
 AttendFn = Callable[..., jax.Array]
-"""``attend(q, k, v, *, causal, mask, scale) -> out``: what a sequence-parallel context runs instead."""
+"""``attend(q, k, v, *, causal, mask, scale, implementation) -> out``: what a sequence-parallel context runs
+instead (``implementation``: the kernel ``jl.nn.attention`` was asked for, None for automatic)."""
 
 
 @contextlib.contextmanager
@@ -187,9 +188,33 @@ def _one_block(plan: BlockPlan, q, k, v, mask, q_ids):
     mx = lax.stop_gradient(s.max(axis=-1, keepdims=True))  # any finite shift gives the same softmax
     p = jnp.exp(s - jnp.where(mx == -jnp.inf, 0.0, mx))
     total = p.sum(axis=-1)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = _dot_f32("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
     o = o / jnp.moveaxis(jnp.where(total > 0, total, 1.0), -1, 1)[..., None]  # all-masked rows: 0
     return o.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dot_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(spec, a, b)`` accumulated and returned in float32, whose backward multiplies in the operands'
+    dtype: the float32 cotangent is rounded to it first (as the kernel's own backward does), so under bf16
+    the single-block path's gradients are bf16 matmuls too, not float32 x bf16 ones."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_f32_fwd(spec: str, a: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _dot_f32(spec, a, b), (a, b)
+
+
+def _dot_f32_bwd(spec: str, res: tuple[jax.Array, jax.Array], ct: jax.Array) -> tuple[jax.Array, jax.Array]:
+    a, b = res
+    ct = ct.astype(jnp.result_type(a, b))
+    # each operand's gradient alone (a vjp would put the unused forward product in the jaxpr too)
+    (da,) = jax.linear_transpose(lambda x: jnp.einsum(spec, x, b), a)(ct)
+    (db,) = jax.linear_transpose(lambda y: jnp.einsum(spec, a, y), b)(ct)
+    return da, db
+
+
+_dot_f32.defvjp(_dot_f32_fwd, _dot_f32_bwd)
 
 
 def _vary_like(x: Any, ref: jax.Array) -> Any:
@@ -273,7 +298,7 @@ def _block_mask(plan: BlockPlan, mask: jax.Array | None, qr: Any, q0: Any, k0: A
 
 
 def _scores(plan: BlockPlan, qb: jax.Array, kb: jax.Array, m: jax.Array | None) -> jax.Array:
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * plan.scale
+    s = _dot_f32("bqhgd,bkhd->bhgqk", qb, kb) * plan.scale
     if m is not None:
         s = jnp.where(m, s, -jnp.inf)
     return s

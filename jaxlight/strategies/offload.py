@@ -11,19 +11,29 @@ never leave the device. Values are bit-identical to the same run without
 offload (8 CPU devices; on a GPU with ``Trainer(deterministic=True)``): only
 where the bytes live changes.
 
-``HostOffload(stream=N)`` streams the offloaded state instead: the leaves are
-split into N groups by the parameters they mirror (last layers first, the
-order the backward pass makes their gradients), and each group is fetched
-once its own gradients exist, updated, and written back to host memory in the
-step, the fetch of group i+2 ordered after the update of group i. The copies
-of one group can then run while another group updates (and while the backward
-pass still computes earlier layers' gradients), and at most about three groups
-of offloaded state are in device memory at once. Each group's update is the
-same traced update, cut down by jit's dead-code elimination to that group's
+``HostOffload(stream=N)`` streams the offloaded state instead, so that its
+copies run while the device computes: the leaves are split into N groups by
+the parameters they mirror (last layers first, the order the backward pass
+makes their gradients) and the update walks the groups as a software pipeline.
+Groups 0 and 1 are fetched at the start of the step (their copies depend on
+nothing the step computes, so they can run under the forward and backward
+pass); the fetch of group g+1 is issued before the update of group g and
+waits only for the write-back of group g-1 (an optimization barrier), so while
+group g updates, group g+1 comes in and group g-1 goes out (double buffering).
+At most three groups of offloaded state are in device memory at once, two of
+them during the forward and backward pass. Each group's update is the same
+traced update, cut down by jit's dead-code elimination to that group's
 outputs, so values stay bit-identical. It needs an update whose outputs each
 depend on one group's offloaded state (per-leaf optimizers such as Adam, with
 gradient clipping before them, EMA, gradient accumulation); otherwise (e.g. a
 clip of the updates after Adam) it warns and fetches everything at once.
+
+Where the copies really run concurrently is the backend's scheduler's call:
+XLA:GPU turns each in-step memory move into an asynchronous copy-start /
+copy-done pair that its scheduler may overlap with independent compute.
+XLA:CPU strips memory-placement annotations (host and device are the same
+RAM), so its compiled HLO has no copies; the tests therefore check the
+program XLA:GPU receives for the dependence structure that permits overlap.
 """
 
 from __future__ import annotations
@@ -132,7 +142,6 @@ class _Plan:
     out_tree: Any
     host: dict[int, Any]  # flat input index -> its host sharding
     groups: list[list[int]]  # per group, in stream order: flat input indices of its host leaves
-    grads: list[list[int]]  # per group: flat input indices of the gradients of the parameters it mirrors
     source: list[int]  # per flat output: -1 (from the update with no offloaded input) or its group
     write_back: dict[int, Any]  # flat output index -> host sharding it is written back to in the step
 
@@ -154,7 +163,6 @@ def _stream_plan(update: UpdateFn, state: Any, grads: Any, aux: Any, shardings: 
     flat, in_tree = jax.tree_util.tree_flatten_with_path((state, grads, aux))
     n_state = len(jax.tree.leaves(state))
     state_shardings = jax.tree.structure(state).flatten_up_to(shardings)
-    grad_index = {jax.tree_util.keystr(p[1:]): i for i, (p, _) in enumerate(flat) if p[0].idx == 1}
     host: dict[int, Any] = {}
     mirror: dict[int, str] = {}
     for i, ((path, x), sh) in enumerate(zip(flat[:n_state], state_shardings)):
@@ -188,12 +196,9 @@ def _stream_plan(update: UpdateFn, state: Any, grads: Any, aux: Any, shardings: 
         acc += nbytes[m]
     count = g + 1
     groups: list[list[int]] = [[] for _ in range(count)]
-    gkeys: list[set[str]] = [set() for _ in range(count)]
     for i, key in mirror.items():
         gi = group_of[key.rsplit("/", 1)[0]]
         groups[gi].append(i)
-        gkeys[gi].add(key)
-    grads_of = [sorted(grad_index[jax.tree_util.keystr((jax.tree_util.DictKey(k),))] for k in ks) for ks in gkeys]
     # which offloaded group each output depends on (read off the traced update)
     xs = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in flat]
 
@@ -219,7 +224,7 @@ def _stream_plan(update: UpdateFn, state: Any, grads: Any, aux: Any, shardings: 
     if jax.tree.structure(out_state) == jax.tree.structure(state):
         for i in host:
             write_back[i] = host[i]  # the new state's leaf i is flat output i (the state comes first)
-    return _Plan(in_tree, out_tree, host, groups, grads_of, source, write_back)
+    return _Plan(in_tree, out_tree, host, groups, source, write_back)
 
 
 def _dependencies(closed: ClosedJaxpr) -> list[int]:
@@ -265,8 +270,12 @@ def _eqn_deps(eqn: Any, args: list[int]) -> list[int]:
 
 
 def _run_streamed(update: UpdateFn, state: Any, grads: Any, aux: Any, plan: _Plan) -> Any:
-    """One update per group on its fetched leaves (the other groups' leaves zeros that jit drops), in a
-    chain of optimization barriers: group i is fetched once its gradients exist and group i-2 is written back."""
+    """One update per group on its fetched leaves (the other groups' leaves zeros that jit drops), software
+    pipelined: groups 0 and 1 are fetched at the start of the step (they depend on nothing the step computes,
+    so the scheduler can run their copies under the forward and backward pass), and the fetch of group g+1
+    is issued before the update of group g, tied by an optimization barrier to the write-back of group g-1
+    only: while group g updates, group g+1 comes in and group g-1 goes out (double buffering), and at most
+    three groups of offloaded state are in device memory at once."""
     flat = jax.tree.leaves((state, grads, aux))
     placeholders = {i: jnp.zeros(jnp.shape(flat[i]), jnp.result_type(flat[i])) for i in plan.host}
 
@@ -274,20 +283,26 @@ def _run_streamed(update: UpdateFn, state: Any, grads: Any, aux: Any, plan: _Pla
         leaves = [fetched.get(i, placeholders.get(i, x)) for i, x in enumerate(flat)]
         return jax.tree.leaves(update(*jax.tree_util.tree_unflatten(plan.in_tree, leaves)))
 
+    def fetch(g: int, tie: list[int]) -> dict[int, Any]:
+        idx = plan.groups[g]
+        host_in = [flat[i] for i in idx]
+        if tie:  # the copies in wait for group g-2's write-back: a bound on the device memory they take
+            host_in, tied = jax.lax.optimization_barrier((host_in, [out[k] for k in tie]))
+            for k, v in zip(tie, tied):
+                out[k] = v
+        return {i: jax.device_put(x, plan.host[i].with_memory_kind("device")) for i, x in zip(idx, host_in)}
+
     out: list[Any] = list(run({}))  # outputs that read no offloaded leaf (step counters, logged values)
+    n = len(plan.groups)
     written: list[list[int]] = []  # per group: its written-back output indices
-    for g, (idx, gidx) in enumerate(zip(plan.groups, plan.grads)):
-        tie = written[g - 2] if g >= 2 else []
-        # the fetch waits for this group's gradients (not for the whole backward pass) and for group g-2's
-        # write-back; the update reads the gradients themselves, so what every group computes from all of
-        # them (a global norm) stays one expression that XLA's common-subexpression pass merges
-        _, host_in, tied = jax.lax.optimization_barrier(
-            ([flat[i] for i in gidx], [flat[i] for i in idx], [out[k] for k in tie])
-        )
-        for k, v in zip(tie, tied):
-            out[k] = v
-        fetched = {i: jax.device_put(x, plan.host[i].with_memory_kind("device")) for i, x in zip(idx, host_in)}
-        mine = run(fetched)
+    fetched = [fetch(0, [])]
+    for g in range(n):
+        if g + 1 < n:  # the next group's copies in, issued before this group's update and independent of it
+            fetched.append(fetch(g + 1, written[g - 1] if g >= 1 else []))
+        # the update reads the gradients themselves, so what every group computes from all of them (a global
+        # norm) stays one expression that XLA's common-subexpression pass merges
+        mine = run(fetched[g])
+        fetched[g] = {}  # done with: the fetched leaves are dead after this group's update
         done = []
         for k, src in enumerate(plan.source):
             if src != g:

@@ -24,6 +24,10 @@ stage's outputs of the last pass are the scan's outputs, broadcast over
 with the permutations reversed. GPipe is the case ``R = 1``; the idle
 fraction of each step is ``(S-1) / (R*M + S-1)``.
 
+Under ``"pp+sp"`` the ``shard_map`` is manual over ``sequence`` too: the
+microbatches enter split on their length and attention runs the sequence
+piece's exchange in place (:mod:`jaxlight.strategies.pipeline_sequence`).
+
 Layer order: pass ``r`` on stage ``s`` applies layer chunk ``r*S + s`` (of
 ``L / (S*R)`` layers). Parameters stay in natural layer order in the train
 state, checkpoints and the user's module (stage ``s`` stores the contiguous
@@ -49,6 +53,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.state import logical_axes
+from jaxlight.strategies.pipeline_sequence import sequence_split
 from jaxlight.strategies.rules import BATCH_AXES, Rules
 from jaxlight.strategies.strategy import FILL, Piece, register_strategy
 
@@ -161,6 +166,11 @@ class PipelineParallel(Piece):
     Refused before any work: a model without a LayerStack, a stack whose depth
     ``stages x repeats`` does not divide, batch rows per data shard that
     ``microbatches`` does not divide, and fewer microbatches than stages.
+    With a :class:`~jaxlight.strategies.SequenceParallel` piece (``"pp+sp"``)
+    every stage also splits positions over ``sequence``, exactly for layers
+    that mix positions only through :func:`jaxlight.nn.attention`; what it
+    cannot split is refused when the step is traced
+    (:func:`~jaxlight.strategies.pipeline_sequence.sequence_split`).
     """
 
     name: ClassVar[str] = "pp"
@@ -222,13 +232,6 @@ class PipelineParallel(Piece):
                 f"stack as stack(x)"
             )
         stages = int(mesh.shape[STAGE_AXIS])
-        if stages > 1 and int(mesh.shape.get("sequence", 1)) > 1:
-            # checked on jax 0.10.2: the sequence piece's attention shard_map nested in the stage
-            # shard_map fails to lower (Shardy verifier), in every exchange mode
-            raise ValueError(
-                f"strategy 'pp' does not compose with sequence parallelism yet (mesh stage={stages}, "
-                f"sequence={mesh.shape['sequence']}): split the model over stage, or its sequences over sequence"
-            )
         per = stages * self.repeats
         for path, (depth, shape) in stacks.items():
             if depth % per:
@@ -361,6 +364,13 @@ def run_pipeline(
             kinds.append("whole")
         else:
             kinds.append("static")
+
+    def layer_at(h):  # one layer on an abstract input: what "pp+sp" checks is per position
+        with pipeline_context(None):
+            first = lambda leaves, d: jax.tree.unflatten(d, [a[0] for a in leaves])
+            return layer(first(p_leaves, p_def), first(r_leaves, r_def), h, args, kwargs)[0]
+
+    seq = sequence_split(cfg.mesh, x, kinds, r_leaves, layer_at)
     rows_in = [_to_micro(a, M) for a, kd in zip(a_leaves, kinds) if kd == "row"]
     whole_in = [a for a, kd in zip(a_leaves, kinds) if kd == "whole"]
 
@@ -386,10 +396,9 @@ def run_pipeline(
         r_st = [a[0] for a in r_st]
         # stage 0's first-pass inputs, one per tick (zeros after the last microbatch)
         feed = jnp.concatenate([xs, jnp.zeros((T - M,) + xs.shape[1:], xs.dtype)])
-        recv = lax.pcast(jnp.zeros_like(xs[0]), STAGE_AXIS, to="varying")
+        recv = _vary(jnp.zeros_like(xs[0]), manual)
         # circular: what stage 0 received from stage S-1, read again D ticks later for the next pass
-        delay = jnp.zeros((D if R > 1 else 0,) + xs.shape[1:], xs.dtype)
-        delay = lax.pcast(delay, STAGE_AXIS, to="varying")
+        delay = _vary(jnp.zeros((D if R > 1 else 0,) + xs.shape[1:], xs.dtype), manual)
 
         def tick(carry, tx):
             recv, delay, r_st = carry
@@ -430,17 +439,27 @@ def run_pipeline(
         out = lax.psum(jnp.where(s == S - 1, ys[T - M :], jnp.zeros_like(ys[T - M :])), STAGE_AXIS)
         return out, [a[None] for a in r_st]
 
+    # under "pp+sp" the stage is manual over sequence too: microbatches [M, B/M, T, ...] enter split on T
+    manual = (STAGE_AXIS,) if seq is None else (STAGE_AXIS, seq)
+    act = P() if seq is None else P(None, None, seq)
     staged = jax.shard_map(
         stage_program,
         mesh=cfg.mesh,
-        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), P(), P(), P()),
-        out_specs=(P(), P(STAGE_AXIS)),
-        axis_names={STAGE_AXIS},
+        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), act, P(), P()),
+        out_specs=(act, P(STAGE_AXIS)),
+        axis_names=set(manual),
     )
     out, r_out = staged(
         [to_stages(a) for a in p_leaves], [to_stages(a) for a in r_leaves], _to_micro(x, M), rows_in, whole_in
     )
     return _from_micro(out), jax.tree.unflatten(r_def, [from_stages(a) for a in r_out])
+
+
+def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` marked varying over the stage's manual ``axes`` (a scan carry that meets per-device values)."""
+    have = getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ()
+    missing = tuple(a for a in axes if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _to_micro(a: jax.Array, m: int) -> jax.Array:

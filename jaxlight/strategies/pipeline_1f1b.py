@@ -32,7 +32,8 @@ The step's loss is the mean of the microbatches' losses, the gradients those of
 that mean (as gradient accumulation defines them): for a loss that is a mean over
 rows this is the full batch's loss. Values logged with ``self.log`` and scalar
 outputs are combined over microbatches by their ``reduce_fx`` (mean, sum, max,
-min). Refused by name: a training_step without a LayerStack call or with more
+min). Refused by name: sequence parallelism (``"pp+sp"``: the stage program
+would hold part of each row's positions, and the loss needs them all), a training_step without a LayerStack call or with more
 than one, float extra arguments to the stack (they would get no gradient), batch
 leaves whose rows do not match the stack input's, non-parameter state changed
 outside the stack, parameters assigned in the step, non-scalar outputs, and
@@ -89,6 +90,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxlight.strategies.attention_kernel import active_attend
 from jaxlight.strategies.pipeline import (
     STAGE_AXIS,
     LayerFn,
@@ -103,8 +105,9 @@ from jaxlight.strategies.pipeline import (
 )
 from jaxlight.strategies.rules import BATCH_AXES
 
-ForwardFn = Callable[[Mapping[str, Any], Any], tuple[jax.Array, tuple[dict, dict, dict, dict]]]
-"""The trainer's loss function: ``forward(params, batch) -> (loss, (extras, logs, rest, written))``."""
+ForwardFn = Callable[[Mapping[str, Any], Any], tuple[jax.Array, tuple[jax.Array, dict, dict, dict, dict]]]
+"""The trainer's loss function: ``forward(params, batch) -> (objective, (loss, extras, logs, rest, written))``;
+the objective is what is differentiated (the loss, or the loss times the ``"16-mixed"`` loss scale)."""
 
 SCHEDULE = "1f1b"
 
@@ -221,19 +224,28 @@ def value_and_grad(
     model_state: Mapping[str, Any],
     stack_keys: frozenset[str],
     cfg: PipelineConfig,
-) -> tuple[tuple[jax.Array, tuple[dict, dict, dict, dict]], dict[str, jax.Array]]:
-    """``jax.value_and_grad(forward, has_aux=True)(params)`` on ``batch``, computed by the 1F1B schedule.
+) -> tuple[tuple[jax.Array, tuple[jax.Array, dict, dict, dict, dict]], dict[str, jax.Array]]:
+    """``jax.value_and_grad(forward, has_aux=True)(params)`` on ``batch``, computed by the 1F1B schedule (the
+    objective and the loss are the means of the microbatches').
 
     ``model_state``: the non-parameter variables ``forward`` starts from (to
     refuse changes outside the stack); ``stack_keys``: the parameter paths of
     LayerStacks (the post part is not differentiated with respect to them).
-    Returns the mean of the microbatches' losses, its gradients, and the aux
-    ``(extras, logs, rest, written)`` with logs per microbatch stacked
-    (combine them with :func:`combine_logs`).
+    Returns ``((objective, (loss, extras, logs, rest, written)), grads)`` as
+    ``jax.value_and_grad`` of ``forward`` would, with the logs per microbatch
+    stacked (combine them with :func:`combine_logs`) and ``written`` empty.
     """
     S, M, R = cfg.stages, cfg.microbatches, cfg.repeats
     _check_microbatches(S, M, R)
     check_groups(S, M, R)
+    axis = getattr(active_attend(), "axis", None)  # the sequence piece's exchange names its axis
+    if isinstance(axis, str) and int(dict(cfg.mesh.shape).get(axis, 1)) > 1:
+        raise ValueError(
+            f"schedule='1f1b' does not compose with sequence parallelism (\"pp+sp\", {axis}="
+            f"{cfg.mesh.shape[axis]}): its per-microbatch loss runs inside the stage program, which under pp+sp "
+            f"holds 1/{cfg.mesh.shape[axis]} of each row's positions; use schedule='gpipe' or 'circular' with "
+            f"sequence parallelism"
+        )
 
     # 1. capture: the step up to the stack call
     static: dict[str, Any] = {}
@@ -305,7 +317,7 @@ def value_and_grad(
         full = {**pn, **{key: jnp.zeros(d.shape, d.dtype) for key, d in dummies.items()}}
         role = _Post(y)
         with pipeline_context(cfg), _role(role):  # (the schedule's stages run with neither)
-            loss, (extras, logs, rest, written) = forward(full, jax.tree.unflatten(b_def, bmb))
+            obj, (loss, extras, logs, rest, written) = forward(full, jax.tree.unflatten(b_def, bmb))
         if role.calls == 0:
             raise ValueError(
                 "schedule='1f1b': training_step called the LayerStack on the whole batch but not on a microbatch of "
@@ -330,7 +342,7 @@ def value_and_grad(
                     f"schedule='1f1b' combines training_step's outputs over microbatches and can only average "
                     f"scalars; output {name!r} has shape {tuple(v.shape)}"
                 )
-        return loss / M, (loss, extras, logs)
+        return obj / M, (loss, extras, logs)
 
     # R > 1 (interleaved): virtual stage v = r*S + s (layer chunk v) lives on stage s; items go by groups of S
     # microbatches, each group making its R passes before the next group starts
@@ -397,7 +409,7 @@ def value_and_grad(
                 r_cur = [put(a, r, v, fvalid) for a, v in zip(r_cur, r_new)]
                 if bwd:  # steady phase: a microbatch may leave the last virtual stage now
                     bm = [at(a, m) if row else a for a, row in zip(bmb, b_row)]
-                    (_, (loss, extras, logs)), (g_pn, g_y) = jax.value_and_grad(post, argnums=(0, 1), has_aux=True)(
+                    (obj, (loss, extras, logs)), (g_pn, g_y) = jax.value_and_grad(post, argnums=(0, 1), has_aux=True)(
                         pn, y, bm
                     )
                     last = fvalid & (s == S - 1) & (r == R - 1)
@@ -405,7 +417,8 @@ def value_and_grad(
                         lambda acc, g: acc + jnp.where(last, g, jnp.zeros_like(g)).astype(acc.dtype), g_ns, g_pn
                     )
                     out = jax.tree.map(
-                        lambda v: jnp.where(last, v, jnp.zeros_like(v)), (last.astype(jnp.int32), m, loss, extras, logs)
+                        lambda v: jnp.where(last, v, jnp.zeros_like(v)),
+                        (last.astype(jnp.int32), m, obj, loss, extras, logs),
                     )
                 f_recv = lax.ppermute(y, STAGE_AXIS, perm_f)
             if bwd:
@@ -462,7 +475,7 @@ def value_and_grad(
         out_specs=(P(), P(), P(), P(STAGE_AXIS), P(STAGE_AXIS)),
         axis_names={STAGE_AXIS},
     )
-    (done, mb, losses, extras, logs), g_ns, gx, g_st, r_out = staged(
+    (done, mb, objs, losses, extras, logs), g_ns, gx, g_st, r_out = staged(
         [to_stages(a) for a in p_leaves],
         [to_stages(a) for a in r_leaves],
         _to_micro(x, M),
@@ -474,7 +487,7 @@ def value_and_grad(
     # the steady ticks at which a microbatch left the last virtual stage, in microbatch order
     where_m = jnp.where(done > 0, mb, M)
     by_m = lambda v: jnp.zeros((M + 1,) + v.shape[1:], v.dtype).at[where_m].set(v)[:M]
-    losses, extras, logs = jax.tree.map(by_m, (losses, extras, logs))
+    objs, losses, extras, logs = jax.tree.map(by_m, (objs, losses, extras, logs))
     g_sp = jax.tree.unflatten(p_def, [from_stages(a).astype(p.dtype) for a, p in zip(g_st, p_leaves)])
     (grads,) = pre_vjp((_from_micro(gx).astype(x.dtype), g_sp))
     grads = {key: (g + g_ns[key].astype(g.dtype)) if key in g_ns else g for key, g in grads.items()}
@@ -482,10 +495,10 @@ def value_and_grad(
 
     # 3. finalize: the step's non-parameter state with the stack's new state installed
     with _role(_Finalize(new_rest)):
-        _, (_, _, rest, _) = forward(params, batch)
+        _, (_, _, _, rest, _) = forward(params, batch)
     loss = jnp.mean(losses)
     extras = {name: jnp.mean(v, axis=0).astype(v.dtype) for name, v in extras.items()}
-    return (loss, (extras, logs, rest, {})), grads
+    return (jnp.sum(objs), (loss, extras, logs, rest, {})), grads
 
 
 def _acc_dtype(a: Any) -> Any:

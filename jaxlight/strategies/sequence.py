@@ -38,7 +38,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.rank_zero import rank_zero_info
-from jaxlight.strategies.attention_kernel import attention_context, blockwise_attention, local_attention, make_plan
+from jaxlight.strategies.attention_backends import AttentionImplementationError, choose, run_local
+from jaxlight.strategies.attention_kernel import attention_context, blockwise_attention, make_plan
 from jaxlight.strategies.strategy import FILL, FrozenDict, Piece, check_axis_size, register_strategy
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "ulysses", "allgather", "ring")
 AXIS = "sequence"
 
-__all__ = ["MODES", "SequenceParallel", "attention_plan"]
+__all__ = ["MODES", "SequenceParallel", "attention_plan", "in_manual_sequence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,12 +264,19 @@ class _SequenceAttention:
         self.load_balance = load_balance
         self.calls: list[tuple[str, str, bool, tuple, tuple]] = []
 
-    def __call__(self, q, k, v, *, causal: bool, mask, scale: float):
+    axis: ClassVar[str] = AXIS
+    """The mesh axis this exchange runs over: a pipeline stage that is already manual over it calls
+    :meth:`__call__` there, and the exchange runs its collectives in place (:func:`in_manual_sequence`)."""
+
+    def __call__(self, q, k, v, *, causal: bool, mask, scale: float, implementation: str | None = None):
+        if in_manual_sequence():
+            return _attend_in_place(self, q, k, v, causal=causal, mask=mask, scale=scale, impl=implementation)
         shape = dict(self.mesh.shape)
         exchange, why = attention_plan(self.mode, self.load_balance, q.shape, k.shape, causal=causal, mesh_shape=shape)
         self.calls.append((exchange, why, causal, tuple(q.shape), tuple(k.shape)))
         if exchange == "dense":
-            return local_attention(q, k, v, causal=causal, mask=mask, scale=scale)
+            return run_local(q, k, v, causal=causal, mask=mask, scale=scale, implementation=implementation)
+        _refuse_fused_ring(exchange, implementation)
         n, tp = shape[AXIS], shape.get("tensor", 1)
         lb = self.load_balance and causal
         seq = P(None, AXIS)
@@ -282,9 +290,12 @@ class _SequenceAttention:
         else:
             mspec = P(None, None, AXIS)
         if exchange == "ulysses":
-            body = functools.partial(_ulysses, n=n, tp=tp, causal=causal, scale=scale)
+            body = functools.partial(_ulysses, n=n, tp=tp, causal=causal, scale=scale, impl=implementation)
         elif exchange == "allgather":
-            body = functools.partial(_allgather, n=n, causal=causal, scale=scale, lb=lb, gather=kv_spec == seq)
+            gather = kv_spec == seq
+            body = functools.partial(
+                _allgather, n=n, causal=causal, scale=scale, lb=lb, gather=gather, impl=implementation
+            )
         else:
             body = functools.partial(_ring, n=n, causal=causal, scale=scale, lb=lb)
         args = (q, k, v) if mask is None else (q, k, v, mask)
@@ -304,6 +315,61 @@ class _SequenceAttention:
             f"SequenceParallel(mode={self.mode!r}) on sequence={shape[AXIS]}, tensor={shape.get('tensor', 1)}: "
             f"{len(self.calls)} attention call(s): " + "; ".join(parts)
         )
+
+
+def in_manual_sequence() -> bool:
+    """Whether the code traced now runs inside a ``shard_map`` already manual over ``sequence`` (a pipeline
+    stage under ``"pp+sp"``): arrays there hold this device's positions only."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return not ctx.empty and AXIS in ctx.manual_axes
+
+
+def _refuse_fused_ring(exchange: str, implementation: str | None) -> None:
+    if exchange == "ring" and implementation not in (None, "blockwise"):
+        raise AttentionImplementationError(
+            f"attention: implementation={implementation!r} cannot run the sequence-parallel ring exchange "
+            "(keys arrive block by block: only the blockwise kernel folds them); pass implementation=None "
+            "or 'blockwise', or SequenceParallel(mode='ulysses' or 'allgather')"
+        )
+
+
+def _attend_in_place(sp: _SequenceAttention, q, k, v, *, causal: bool, mask, scale: float, impl=None):
+    """One attention call where ``q``/``k``/``v`` are already this device's positions (manual over
+    ``sequence``): the exchange's collectives run here, without a shard_map of their own."""
+    shape = dict(sp.mesh.shape)
+    n, tp = shape[AXIS], shape.get("tensor", 1)
+    if mask is not None and (mask.shape[2] > 1 or mask.shape[3] > 1):
+        # a mask built inside the stage from local arrays has local rows/columns, one from outside global
+        # ones: neither can be told apart by shape, so only masks without length dims are taken
+        raise ValueError(
+            f'sequence-parallel attention inside a pipeline stage ("pp+sp") takes masks without length '
+            f"dims ([batch|1, heads|1, 1, 1]); got mask {tuple(mask.shape)} for local queries {tuple(q.shape)}. "
+            "Use causal=True, or run the model without the pipeline"
+        )
+    whole = [name for name, x in (("q", q), ("k", k), ("v", v)) if AXIS not in _varying_axes(x)]
+    if whole:
+        # e.g. keys/values from a stack argument given whole: not this device's positions, so the exchange
+        # would attend to n copies of them
+        raise ValueError(
+            f'sequence-parallel attention inside a pipeline stage ("pp+sp") needs q, k and v computed from the '
+            f"stack's split input, but {', '.join(whole)} {'is' if len(whole) == 1 else 'are'} the same on every "
+            f"{AXIS} device (from an argument given whole?); cross-attention on whole arrays is not supported there"
+        )
+    q_global = (q.shape[0], q.shape[1] * n, *q.shape[2:])
+    kv_global = (k.shape[0], k.shape[1] * n, *k.shape[2:])
+    exchange, why = attention_plan(sp.mode, sp.load_balance, q_global, kv_global, causal=causal, mesh_shape=shape)
+    sp.calls.append((exchange, why, causal, q_global, kv_global))
+    lb = sp.load_balance and causal
+    _refuse_fused_ring(exchange, impl)
+    if exchange == "ulysses":
+        return _ulysses(q, k, v, mask, n=n, tp=tp, causal=causal, scale=scale, impl=impl)
+    if exchange == "allgather":
+        return _allgather(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb, gather=True, impl=impl)
+    return _ring(q, k, v, mask, n=n, causal=causal, scale=scale, lb=lb)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
 
 
 _LAST: list[list[tuple[str, str, bool, tuple, tuple]]] = [[]]
@@ -374,7 +440,7 @@ def _q_ids(n: int, lb: bool) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- the exchanges (shard_map bodies)
-def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float):
+def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float, impl: str | None = None):
     """All-to-all: positions for heads, whole-sequence attention on H / n heads, and back.
 
     Heads are grouped ``(tensor, sequence, rest)`` so the heads a device
@@ -400,12 +466,15 @@ def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float)
         m = mask.reshape(mb, tp, n, mh // (tp * n), mt, ms)
         m = lax.dynamic_index_in_dim(m, lax.axis_index(AXIS), axis=2, keepdims=False)
         mask = m.reshape(mb, mh // n, mt, ms)
-    out = local_attention(qh, kh, vh, causal=causal, mask=mask, scale=scale)
+    out = run_local(qh, kh, vh, causal=causal, mask=mask, scale=scale, implementation=impl)
     return to_seq(out)
 
 
-def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bool, gather: bool):
-    """Keys/values all-gathered (natural order) beside this device's queries (zig-zag chunks when balanced)."""
+def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bool, gather: bool, impl=None):
+    """Keys/values all-gathered (natural order) beside this device's queries (zig-zag chunks when balanced).
+
+    A fused kernel (see :func:`~jaxlight.strategies.attention_backends.choose`) gets the causal
+    condition as a mask of these queries' global positions: its own causal mask starts both at 0."""
     if lb:
         q = _to_zigzag(q, n, axis=1)
         if mask is not None and mask.shape[2] > 1:
@@ -416,6 +485,15 @@ def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bo
     # Keys in natural order, one chunk; its blocks of at most length / 2n let a causal call skip
     # the blocks after each query chunk, which zig-zag spreads evenly.
     s = k.shape[1]
+    fused_mask = mask
+    if causal:
+        pos = _q_ids(n, lb)[:, None] * (q.shape[1] // (2 if lb else 1)) + jnp.arange(q.shape[1] // (2 if lb else 1))
+        allow = (pos.reshape(-1)[:, None] >= jnp.arange(s)[None, :])[None, None]
+        fused_mask = allow if mask is None else mask & allow
+    kernel = choose(q, k, v, causal=False, mask=fused_mask, implementation=impl)
+    if kernel != "blockwise":
+        out = run_local(q, k, v, causal=False, mask=fused_mask, scale=scale, implementation=kernel)
+        return _from_zigzag(out, n, axis=1) if lb else out
     plan = make_plan(causal=causal, scale=scale, q_chunk=q.shape[1] // (2 if lb else 1), kv_chunk=s)
     if causal and s % (2 * n) == 0 and plan.kv_block > s // (2 * n):
         plan = dataclasses.replace(plan, kv_block=s // (2 * n))
