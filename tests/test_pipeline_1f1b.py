@@ -165,18 +165,19 @@ def test_dropout_in_the_stack_matches_the_forward_scan_schedules(other, repeats)
         assert int(np.asarray(out["1f1b"][2][k]).min()) > 0
 
 
-def test_bf16_mixed_precision_trains_like_gpipe():
-    """Under bf16 compute the schedules round in other places (1F1B sums microbatch gradients in float32),
-    so the tolerance is bfloat16's: 1e-3 on losses and float32 master parameters after 3 steps."""
+def test_bf16_mixed_precision_trains_like_one_device():
+    """Under bf16 compute the pipeline rounds in other places than one device (1F1B sums microbatch gradients
+    in float32), so the tolerance is bfloat16's: 1e-3 on losses and float32 master parameters after 3 steps.
+    (Against one device, not GPipe: GPipe under bf16-mixed aborts XLA:CPU's compiler on jax 0.10.2.)"""
     data = token_batches(3, ROWS, vocab=DIMS["vocab"])
     out = {}
-    for sched in ("gpipe", "1f1b"):
+    for name, strategy, devices in (("single", "auto", 1), ("1f1b", PipelineParallel(4, schedule="1f1b"), 8)):
         rec = Record()
-        t = _trainer(PipelineParallel(4, schedule=sched), 8, [rec], max_epochs=1, precision="bf16-mixed")
+        t = _trainer(strategy, devices, [rec], max_epochs=1, precision="bf16-mixed")
         t.fit(PipeLM(**DIMS), data)
-        out[sched] = (host_params(t), [float(x) for x in rec.losses])
-    np.testing.assert_allclose(out["1f1b"][1], out["gpipe"][1], atol=1e-3, rtol=0)
-    a, b = out["gpipe"][0], out["1f1b"][0]
+        out[name] = (host_params(t), [float(x) for x in rec.losses])
+    np.testing.assert_allclose(out["1f1b"][1], out["single"][1], atol=1e-3, rtol=0)
+    a, b = out["single"][0], out["1f1b"][0]
     assert all(v.dtype == np.float32 for v in b.values())
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-3
 

@@ -459,7 +459,9 @@ def value_and_grad(
         _, _, _, _, r_cur, g_st, g_ns, gx = carry
         outs = lax.psum(outs, STAGE_AXIS)  # only the last stage's are non-zero
         g_ns = lax.psum(g_ns, STAGE_AXIS)
-        gx = lax.psum(gx, STAGE_AXIS)  # only stage 0's are non-zero
+        # only stage 0's are non-zero; summed in float32 at least (XLA:CPU aborts on a bfloat16 all-reduce here,
+        # "Invalid binary instruction opcode copy", as it does on GPipe's under bf16-mixed, jax 0.10.2)
+        gx = lax.psum(gx.astype(_acc_dtype(gx)), STAGE_AXIS).astype(gx.dtype)
         return outs, g_ns, gx, [a[None] for a in g_st], [a[None] for a in r_cur]
 
     def to_stages(a):  # [L, ...] -> [S, R, k, ...]: stage s, pass r holds layer chunk r*S + s
