@@ -201,8 +201,6 @@ class PipelineParallel(Piece):
         if stages is not None and microbatches is not None:
             _check_microbatches(stages, microbatches, repeats)
             if schedule == "1f1b":
-                from jaxlight.strategies.pipeline_1f1b import check_groups  # (it imports this module)
-
                 check_groups(stages, microbatches, repeats)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "microbatches", microbatches)
@@ -281,6 +279,16 @@ def _check_microbatches(stages: int, microbatches: int, repeats: int) -> None:
             f"microbatches={microbatches} is fewer than stages={stages}: the pipeline would idle "
             f"{bubble(stages, microbatches, repeats):.0%} of every step (bubble (S-1)/(R*M+S-1) with R={repeats}); "
             f"use microbatches >= {stages} (e.g. {suggest}: {bubble(stages, suggest, repeats):.0%})"
+        )
+
+
+def check_groups(stages: int, microbatches: int, repeats: int) -> None:
+    """Interleaved 1F1B runs microbatches in groups of ``stages``: refuse an ``M`` they do not divide."""
+    if repeats > 1 and microbatches % stages:
+        raise ValueError(
+            f"schedule='1f1b' with repeats={repeats} (interleaved) runs microbatches in groups of stages={stages}, "
+            f"and microbatches={microbatches} is not a multiple of {stages}; use e.g. microbatches="
+            f"{stages * max(1, -(-microbatches // stages))}"
         )
 
 

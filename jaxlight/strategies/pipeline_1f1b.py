@@ -99,6 +99,7 @@ from jaxlight.strategies.pipeline import (
     _check_rows,
     _from_micro,
     _to_micro,
+    check_groups,
     pipeline_context,
     run_pipeline,
     scan_layers,
@@ -132,16 +133,6 @@ def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
 def in_flight(stages: int, microbatches: int, repeats: int = 1) -> list[int]:
     """Stage inputs each stage holds at once, by stage: ``min(R*M, 2*R*S - 1 - 2s)``."""
     return [min(repeats * microbatches, 2 * repeats * stages - 1 - 2 * s) for s in range(stages)]
-
-
-def check_groups(stages: int, microbatches: int, repeats: int) -> None:
-    """Interleaved 1F1B runs microbatches in groups of ``stages``: refuse an ``M`` they do not divide."""
-    if repeats > 1 and microbatches % stages:
-        raise ValueError(
-            f"schedule='1f1b' with repeats={repeats} (interleaved) runs microbatches in groups of stages={stages}, "
-            f"and microbatches={microbatches} is not a multiple of {stages}; use e.g. microbatches="
-            f"{stages * max(1, -(-microbatches // stages))}"
-        )
 
 
 # ---------------------------------------------------------------------------- the LayerStack's roles
