@@ -7,13 +7,19 @@ same model unpipelined (data parallel) on the same S devices; the bubble the sch
 SPMD pipeline, idle ticks included, so the extra time over data parallel is the bubble plus the
 pipeline's communication); per-device bytes of parameters + optimizer state.
 
-Table 2: the circular schedule's regrouping of natural-order weights into interleaved chunks
+Table 2 (per schedule, S=4 by default): GPipe, circular (R=2), 1F1B and interleaved 1F1B (R=2) at
+M in {S, 2S, 4S}: the
+bubble read from the schedule's ticks (idle forward slots over all forward slots), the compiled
+step's temp bytes per device (``memory_analysis().temp_size_in_bytes``: activations and other
+scratch), and ms per step, each beside GPipe's at the same M.
+
+Table 3: the circular schedule's regrouping of natural-order weights into interleaved chunks
 (one all-to-all over stage for the weights, one for their gradients): its ms per step.
 
-Table 3: compile time of a LayerStack of 4 and 32 layers on one device (one scanned body), and
+Table 4: compile time of a LayerStack of 4 and 32 layers on one device (one scanned body), and
 of the same blocks unrolled in a Python loop.
 
-    python benchmarks/pipeline.py [--embed 128 --layers 16 --batch 64 --seq 32 --steps 5]
+    python benchmarks/pipeline.py [--embed 128 --layers 16 --batch 64 --seq 32 --steps 5] [--only-schedules]
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
 from jaxlight.state import merge_models, split_models
-from jaxlight.strategies import DataParallel, Strategy
-from jaxlight.strategies.pipeline import PipelineParallel, bubble
+from jaxlight.strategies import DataParallel, Strategy, pipeline_1f1b
+from jaxlight.strategies.pipeline import PipelineConfig, PipelineParallel, active_pipeline, bubble, stack_params
 from jaxlight.strategies.placement import batch_spec, named, param_specs
 from jaxlight.summary import fmt_bytes, per_device_bytes
 from tests.pipeline_models import StackLM
@@ -69,8 +75,17 @@ def _step_fn(parts):
         logits = merge_models(parts, params, {})["net"](tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
+    def forward(params, batch):  # the trainer's loss-function signature, which the 1F1B schedule splits
+        value = loss(params, batch["tokens"])
+        return value, (value, {}, {}, {}, {})
+
     def step(params, opt, tokens):
-        value, grads = jax.value_and_grad(loss)(params, tokens)
+        cfg = active_pipeline()
+        if cfg is not None and cfg.schedule == pipeline_1f1b.SCHEDULE:
+            keys = frozenset(stack_params(params, parts.params.variables))
+            (value, _), grads = pipeline_1f1b.value_and_grad(forward, params, {"tokens": tokens}, {}, keys, cfg)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, tokens)
         upd, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, upd), opt, value
 
@@ -103,6 +118,7 @@ def measure(strategy: Strategy, devices, parts, params, tokens, steps: int) -> d
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return {
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
         "ms": 1e3 * min(times),
         "compile_s": compile_s,
         "bytes": per_device_bytes(p) + per_device_bytes(opt),
@@ -136,6 +152,39 @@ def regroup_ms(stages: int, repeats: int, devices, parts, params, steps: int) ->
         jax.block_until_ready(f(stack))
         times.append(time.perf_counter() - t0)
     return 1e3 * min(times)
+
+
+def tick_bubble(stages: int, microbatches: int, schedule: str, repeats: int = 1) -> float:
+    """Idle share of a stage's forward slots, counted from the schedule's ticks (the backward's is the same)."""
+    if schedule == pipeline_1f1b.SCHEDULE:
+        return pipeline_1f1b.bubble(stages, microbatches, repeats)
+    cfg = PipelineConfig(stages, microbatches, schedule, repeats, None)  # type: ignore[arg-type]
+    return 1 - repeats * microbatches / cfg.ticks
+
+
+def schedules_table(S: int, repeats: int, parts, params, tokens, layers: int, steps: int) -> None:
+    """Table 2: per schedule and M, bubble from the ticks, temp bytes per device and ms per step."""
+    devices = jax.devices()[:S]
+    hdr = (
+        f"{'M':>3} {'schedule':>9} {'R':>2} | {'bubble':>6} | {'temp/dev':>10} {'x gpipe':>7} | "
+        f"{'ms/step':>8} {'x gpipe':>7} | {'loss':>7}"
+    )
+    print(f"\nschedules on S={S} stages ({S} devices):")
+    print(hdr)
+    print("-" * len(hdr))
+    for M in (S, 2 * S, 4 * S):
+        if tokens.shape[0] % M:
+            continue
+        ref = None
+        for sched, R in (("gpipe", 1), ("circular", repeats), ("1f1b", 1), ("1f1b", repeats)):
+            if layers % (S * R):
+                continue
+            r = measure(Strategy(PipelineParallel(S, M, sched, R)), devices, parts, params, tokens, steps)
+            ref = ref or r
+            print(
+                f"{M:>3} {sched:>9} {R:>2} | {tick_bubble(S, M, sched, R):6.1%} | {fmt_bytes(r['temp']):>10} "
+                f"{r['temp'] / ref['temp']:7.3f} | {r['ms']:8.1f} {r['ms'] / ref['ms']:7.2f} | {r['loss']:7.4f}"
+            )
 
 
 class Unrolled(nnx.Module):
@@ -173,6 +222,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=2, help="R of the circular schedule")
     ap.add_argument("--skip-compile-table", action="store_true")
+    ap.add_argument("--schedule-stages", type=int, default=4, help="S of the per-schedule table")
+    ap.add_argument("--only-schedules", action="store_true", help="print the per-schedule table only")
     a = ap.parse_args()
 
     dims = dict(vocab=a.vocab, embed=a.embed, heads=a.heads, mlp=a.mlp, layers=a.layers)
@@ -182,6 +233,10 @@ def main() -> None:
     tokens = rng.integers(0, a.vocab, size=(a.batch, a.seq + 1)).astype(np.int32)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} devices")
     print(f"model: {dims}, batch {a.batch} x seq {a.seq}, SGD(momentum); best of {a.steps} steps\n")
+
+    if a.only_schedules:
+        schedules_table(a.schedule_stages, a.repeats, parts, params, tokens, a.layers, a.steps)
+        return
 
     rows = []
     for S in a.stages:
@@ -215,6 +270,8 @@ def main() -> None:
             f"{r['ms'] / base['ms']:6.2f} | {fmt_bytes(r['bytes']):>10} {r['bytes'] / base['bytes']:6.3f} | "
             f"{r['compile_s']:9.1f} {r['loss']:7.4f}"
         )
+
+    schedules_table(a.schedule_stages, a.repeats, parts, params, tokens, a.layers, a.steps)
 
     print(f"\ncircular (R={a.repeats}) weight regroup, weights + gradients, per step:")
     for S in a.stages:

@@ -38,6 +38,8 @@ from jaxlight.optim import AccumulationState
 from jaxlight.precision import Precision
 from jaxlight.stages import STAGES
 from jaxlight.state import ModelParts, eval_changes, merge_models, rest_after, written_params
+from jaxlight.strategies import pipeline_1f1b
+from jaxlight.strategies.pipeline import active_pipeline, stack_params
 from jaxlight.tracing import (
     StepError,
     check_loss,
@@ -179,6 +181,13 @@ class StepBuilder:
         ``self.global_step`` inside the step is ``state.step``, the updates done so far."""
         counters = {"global_step": state.step, "current_epoch": epoch}
         if self.manual:
+            pipe = active_pipeline()
+            if pipe is not None and pipe.stages > 1 and pipe.schedule == pipeline_1f1b.SCHEDULE:
+                raise StepError(
+                    "schedule='1f1b' computes training_step's gradients inside the pipeline schedule, which needs "
+                    "automatic optimization; with manual optimization (automatic_optimization = False) use "
+                    "schedule='gpipe' or 'circular'"
+                )
             aux = {"batch": batch, "batch_idx": batch_idx, "flush": flush, "counters": counters}
             state, outputs = self.update(state, None, aux)
             logs = outputs.pop("_logs")
@@ -186,7 +195,7 @@ class StepBuilder:
         prec, scaler, scale_state = self.precision, self.scaler, state.loss_scale
         owner = type(self.module).__name__
 
-        def loss_fn(params):
+        def loss_fn(params, batch):
             bound = prec.compute(params)
             models = prec.bind(merge_models(self.parts, bound, state.model_state, train=True))
             col = Collector("train", self._rows(batch), on_step=True, on_epoch=False)
@@ -210,8 +219,18 @@ class StepBuilder:
             scaled = scaler.scale(loss, scale_state) if scaler is not None else loss
             return scaled, (loss, extras, col.values, rest, written)
 
-        traced = lambda params: self.axes.call(loss_fn, owner, "training_step", params)
-        (_, (loss, extras, logs, rest, written)), grads = jax.value_and_grad(traced, has_aux=True)(state.params)
+        traced = lambda params, batch: self.axes.call(loss_fn, owner, "training_step", params, batch)
+        pipe = active_pipeline()
+        if pipe is not None and pipe.stages > 1 and pipe.schedule == pipeline_1f1b.SCHEDULE:
+            # the loss per microbatch inside the pipeline schedule (jaxlight/strategies/pipeline_1f1b.py)
+            stack_keys = frozenset(stack_params(state.params, self.parts.params.variables))
+            (_, (loss, extras, logs, rest, written)), grads = pipeline_1f1b.value_and_grad(
+                traced, state.params, batch, state.model_state, stack_keys, pipe
+            )
+            logs = pipeline_1f1b.combine_logs(logs, self.log_specs.get("train", {}))
+        else:
+            grad_fn = jax.value_and_grad(lambda params: traced(params, batch), has_aux=True)
+            (_, (loss, extras, logs, rest, written)), grads = grad_fn(state.params)
         if scaler is not None:
             grads = scaler.unscale(grads, scale_state)  # in float32: the masters' dtype
         aux = {"loss": loss, "rest": rest, "flush": flush, "written": written}

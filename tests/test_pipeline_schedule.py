@@ -258,8 +258,10 @@ def test_refusals_say_the_numbers(model):
     assert seq.check_model(params, parts.params.variables, seq.build_mesh(jax.devices())) is None
     with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
         PipelineParallel(4, repeats=2)
-    with pytest.raises(ValueError, match=r"unknown pipeline schedule '1f1b'; schedules are \('gpipe', 'circular'\)"):
-        PipelineParallel(schedule="1f1b")
+    with pytest.raises(
+        ValueError, match=r"unknown pipeline schedule 'zb-v'; schedules are \('gpipe', 'circular', '1f1b'\)"
+    ):
+        PipelineParallel(schedule="zb-v")
 
 
 def test_a_batch_the_microbatches_do_not_divide_is_refused_while_tracing():

@@ -8,7 +8,9 @@ layers in order. Outside a pipeline it is a ``lax.scan`` over that dimension,
 so the layer body is traced and compiled once whatever the depth; under the
 ``"pp"`` strategy (:class:`jaxlight.strategies.PipelineParallel`) the trainer
 traces the step inside the pipeline's context and the stack runs as a
-pipeline over the ``stage`` mesh axis instead, with the same result.
+pipeline over the ``stage`` mesh axis instead, with the same result (under
+``schedule="1f1b"`` the call plays the role the train step's trace gives it:
+``jaxlight/strategies/pipeline_1f1b.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 from flax import nnx
 
 from jaxlight.state import logical_axes
+from jaxlight.strategies import pipeline_1f1b
 from jaxlight.strategies.pipeline import (
     STACK_AXIS,
     RematPolicy,
@@ -106,7 +109,9 @@ class LayerStack(nnx.Module):
             return out, nnx.state(mod, nnx.Not(nnx.Param))
 
         cfg = active_pipeline()
-        if cfg is not None and cfg.stages > 1:
+        if cfg is not None and cfg.stages > 1 and cfg.schedule == pipeline_1f1b.SCHEDULE:
+            y, rest = pipeline_1f1b.stack_call(layer, params, rest, x, args, kwargs, cfg, policy)
+        elif cfg is not None and cfg.stages > 1:
             y, rest = run_pipeline(layer, params, rest, x, args, kwargs, cfg, policy)
         else:
             y, rest = scan_layers(layer, params, rest, x, args, kwargs, policy)

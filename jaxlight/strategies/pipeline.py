@@ -1,5 +1,8 @@
 """Pipeline parallelism: the ``"pp"`` piece and the GPipe / circular schedules.
 
+(The 1F1B schedule, which interleaves forward and backward, is ``pipeline_1f1b.py``;
+this module dispatches to it.)
+
 :class:`PipelineParallel` sets the ``stage`` mesh axis and the rule
 ``("layers", "stage")``, so the leading ``layers`` dimension of every
 :class:`jaxlight.nn.LayerStack` variable is split over the stages: each device
@@ -58,7 +61,7 @@ STACK_AXIS = "layers"
 """Logical name of the leading dimension of LayerStack variables."""
 STAGE_AXIS = "stage"
 """Mesh axis that holds pipeline stages."""
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 RematPolicy = Union[str, Callable[..., Any], None]  # noqa: UP007 - a runtime alias
 REMAT_POLICIES: dict[str, Callable[..., Any]] = {
@@ -144,11 +147,16 @@ class PipelineParallel(Piece):
             Microbatch ``m`` takes batch rows ``m, m+M, m+2M, ...``, so rows
             stay on the data shards that hold them; each data shard's rows
             must divide by ``M``.
-        schedule: ``"gpipe"`` (every microbatch crosses the stages once) or
+        schedule: ``"gpipe"`` (every microbatch crosses the stages once),
             ``"circular"`` (``repeats`` passes over the stages, each stage
             holding ``repeats`` non-adjacent layer chunks: bubble
-            ``(S-1)/(R*M+S-1)``).
-        repeats: passes over the stages (``R``); more than 1 needs ``"circular"``.
+            ``(S-1)/(R*M+S-1)``) or ``"1f1b"`` (GPipe's order and bubble, the
+            backward of each microbatch starting once its forward left the
+            last stage: a stage keeps at most ``min(M, 2S-1)`` microbatches'
+            stage inputs instead of ``M`` microbatches' activations; see
+            ``jaxlight/strategies/pipeline_1f1b.py``).
+        repeats: passes over the stages (``R``); more than 1 needs ``"circular"``
+            or ``"1f1b"`` (interleaved 1F1B: microbatches in groups of ``S``).
 
     Guarantees: the stack's parameters, gradients and optimizer state are
     split over ``stage`` (1/S per device) and are never all-gathered over it;
@@ -185,12 +193,15 @@ class PipelineParallel(Piece):
             raise ValueError(f"unknown pipeline schedule {schedule!r}; schedules are {SCHEDULES}")
         if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
             raise ValueError(f"PipelineParallel repeats must be a positive int, got {repeats!r}")
-        if repeats > 1 and schedule != "circular":
+        if repeats > 1 and schedule == "gpipe":
             raise ValueError(
-                f"repeats={repeats} needs schedule='circular' (GPipe passes each microbatch over the stages once)"
+                f"repeats={repeats} needs schedule='circular' or '1f1b' (GPipe passes each microbatch over the "
+                f"stages once)"
             )
         if stages is not None and microbatches is not None:
             _check_microbatches(stages, microbatches, repeats)
+            if schedule == "1f1b":
+                check_groups(stages, microbatches, repeats)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "microbatches", microbatches)
         object.__setattr__(self, "schedule", schedule)
@@ -268,6 +279,16 @@ def _check_microbatches(stages: int, microbatches: int, repeats: int) -> None:
             f"microbatches={microbatches} is fewer than stages={stages}: the pipeline would idle "
             f"{bubble(stages, microbatches, repeats):.0%} of every step (bubble (S-1)/(R*M+S-1) with R={repeats}); "
             f"use microbatches >= {stages} (e.g. {suggest}: {bubble(stages, suggest, repeats):.0%})"
+        )
+
+
+def check_groups(stages: int, microbatches: int, repeats: int) -> None:
+    """Interleaved 1F1B runs microbatches in groups of ``stages``: refuse an ``M`` they do not divide."""
+    if repeats > 1 and microbatches % stages:
+        raise ValueError(
+            f"schedule='1f1b' with repeats={repeats} (interleaved) runs microbatches in groups of stages={stages}, "
+            f"and microbatches={microbatches} is not a multiple of {stages}; use e.g. microbatches="
+            f"{stages * max(1, -(-microbatches // stages))}"
         )
 
 
