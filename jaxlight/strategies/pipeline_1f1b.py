@@ -90,7 +90,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxlight.strategies.attention_kernel import active_attend
 from jaxlight.strategies.pipeline import (
     STAGE_AXIS,
     LayerFn,
@@ -99,11 +98,13 @@ from jaxlight.strategies.pipeline import (
     _check_rows,
     _from_micro,
     _to_micro,
+    _vary,
     check_groups,
     pipeline_context,
     run_pipeline,
     scan_layers,
 )
+from jaxlight.strategies.pipeline_sequence import sequence_split
 from jaxlight.strategies.rules import BATCH_AXES
 
 ForwardFn = Callable[[Mapping[str, Any], Any], tuple[jax.Array, tuple[jax.Array, dict, dict, dict, dict]]]
@@ -229,14 +230,6 @@ def value_and_grad(
     S, M, R = cfg.stages, cfg.microbatches, cfg.repeats
     _check_microbatches(S, M, R)
     check_groups(S, M, R)
-    axis = getattr(active_attend(), "axis", None)  # the sequence piece's exchange names its axis
-    if isinstance(axis, str) and int(dict(cfg.mesh.shape).get(axis, 1)) > 1:
-        raise ValueError(
-            f"schedule='1f1b' does not compose with sequence parallelism (\"pp+sp\", {axis}="
-            f"{cfg.mesh.shape[axis]}): its per-microbatch loss runs inside the stage program, which under pp+sp "
-            f"holds 1/{cfg.mesh.shape[axis]} of each row's positions; use schedule='gpipe' or 'circular' with "
-            f"sequence parallelism"
-        )
 
     # 1. capture: the step up to the stack call
     static: dict[str, Any] = {}
@@ -292,6 +285,20 @@ def value_and_grad(
 
     p_leaves, p_def = jax.tree.flatten(sp)
     r_leaves, r_def = jax.tree.flatten(sr)
+
+    def layer_at(h):  # one layer on an abstract input: what "pp+sp" checks is per position
+        it = iter(arg_arrays)
+        c_args, c_kwargs = jax.tree.unflatten(
+            static["a_def"], [next(it) if a is None else a for a in static["a_static"]]
+        )
+        first = lambda leaves, d: jax.tree.unflatten(d, [a[0] for a in leaves])
+        with pipeline_context(None):
+            return layer(first(p_leaves, p_def), first(r_leaves, r_def), h, c_args, c_kwargs)[0]
+
+    # "pp+sp": the stages run manual over the sequence axis too, on T/sequence positions of each row
+    seq = sequence_split(cfg.mesh, x, kinds, r_leaves, layer_at)
+    manual = (STAGE_AXIS,) if seq is None else (STAGE_AXIS, seq)
+    act = P() if seq is None else P(None, None, seq)
     L = int(p_leaves[0].shape[0])
     if L % (S * R):
         raise ValueError(
@@ -356,10 +363,15 @@ def value_and_grad(
             return _program(p_st, r_st, xs, rows, whole, bmb, pn)
 
     def _program(p_st, r_st, xs, rows, whole, bmb, pn):
+        if seq is not None:  # the schedule's exchanges start after the gathers of the inputs given whole
+            xs = _after(xs, (rows, whole, bmb, pn))
         s = lax.axis_index(STAGE_AXIS)
-        p_st = [a[0] for a in p_st]  # [R, k, ...]: this stage's layer chunk of each pass
+        # [R, k, ...]: this stage's layer chunk of each pass. Under "pp+sp" marked varying over sequence: each
+        # device's vjp then gives its own positions' share, summed over sequence once after the schedule
+        p_st = [_vary(a[0], manual) for a in p_st]
         r_st = [a[0] for a in r_st]
         vary = lambda a: lax.pcast(a, STAGE_AXIS, to="varying")
+        here = lambda a: _vary(a, manual)  # varying over every manual axis (this device's positions)
         # differentiate post with respect to a per-stage copy: the gradient of a stage-invariant input would be
         # summed over the stages (the transpose of pcast), adding the other stages' masked-out work
         pn = jax.tree.map(vary, pn)
@@ -400,9 +412,15 @@ def value_and_grad(
                 r_cur = [put(a, r, v, fvalid) for a, v in zip(r_cur, r_new)]
                 if bwd:  # steady phase: a microbatch may leave the last virtual stage now
                     bm = [at(a, m) if row else a for a, row in zip(bmb, b_row)]
+                    y_rows = y
+                    if seq is not None:  # post sees whole rows: gathered, the same on every sequence device
+                        y_rows = lax.all_gather(y, seq, axis=1, tiled=True, to="invarying")
                     (obj, (loss, extras, logs)), (g_pn, g_y) = jax.value_and_grad(post, argnums=(0, 1), has_aux=True)(
-                        pn, y, bm
+                        pn, y_rows, bm
                     )
+                    if seq is not None:  # the cotangent of this device's positions
+                        T = y.shape[1]
+                        g_y = lax.dynamic_slice_in_dim(g_y, lax.axis_index(seq) * T, T, axis=1)
                     last = fvalid & (s == S - 1) & (r == R - 1)
                     g_ns = jax.tree.map(
                         lambda acc, g: acc + jnp.where(last, g, jnp.zeros_like(g)).astype(acc.dtype), g_ns, g_pn
@@ -422,6 +440,9 @@ def value_and_grad(
                     g = jnp.where((s == S - 1) & (r == R - 1), g_y.astype(b_recv.dtype), b_recv)
                 h_b = at(ring_h, i % K)
                 r_b = [at(a, i % K) for a in ring_r]
+                if fwd and seq is not None:
+                    # the recomputed forward's exchanges start after every collective of this tick's forward
+                    h_b = _after(h_b, (f_recv, g, g_ns, out))
                 _, vjp = jax.vjp(lambda p, hh: stage_fn(p, r_b, hh, m)[0], [at(a, r) for a in p_st], h_b)
                 g_p, g_h = vjp(g)
                 g_st = [put(acc, r, at(acc, r) + gp.astype(acc.dtype), bvalid) for acc, gp in zip(g_st, g_p)]
@@ -429,17 +450,17 @@ def value_and_grad(
                 b_recv = lax.ppermute(g_h, STAGE_AXIS, perm_b)
             return (f_recv, b_recv, ring_h, ring_r, r_cur, g_st, g_ns, gx), out
 
-        zero_mb = vary(jnp.zeros_like(xs[0]))
+        zero_mb = here(jnp.zeros_like(xs[0]))
         carry = (
             zero_mb,
             zero_mb,
-            vary(jnp.zeros((K,) + xs.shape[1:], xs.dtype)),
+            here(jnp.zeros((K,) + xs.shape[1:], xs.dtype)),
             [jnp.stack([a[0]] * K) for a in r_st],
             r_st,
             # gradients summed over microbatches in float32 at least (bfloat16 sums would round M times)
-            [vary(jnp.zeros(a.shape, _acc_dtype(a))) for a in p_st],
+            [here(jnp.zeros(a.shape, _acc_dtype(a))) for a in p_st],
             jax.tree.map(lambda a: vary(jnp.zeros(a.shape, _acc_dtype(a))), pn),
-            vary(jnp.zeros_like(xs)),
+            here(jnp.zeros_like(xs)),
         )
         warm, steady, cool = ticks(S, M, R)
         carry, _ = lax.scan(lambda c, t: tick(True, False, c, t), carry, jnp.arange(0, warm))
@@ -448,6 +469,9 @@ def value_and_grad(
             lambda c, t: tick(False, True, c, t), carry, jnp.arange(warm + steady, warm + steady + cool)
         )
         _, _, _, _, r_cur, g_st, g_ns, gx = carry
+        if seq is not None:  # each sequence device differentiated its own positions
+            g_st = [lax.psum(a, seq) for a in g_st]
+            outs, g_ns = _after((outs, g_ns), g_st)  # summed after the cool-down's loops
         outs = lax.psum(outs, STAGE_AXIS)  # only the last stage's are non-zero
         g_ns = lax.psum(g_ns, STAGE_AXIS)
         # only stage 0's are non-zero; summed in float32 at least (XLA:CPU aborts on a bfloat16 all-reduce here,
@@ -464,9 +488,9 @@ def value_and_grad(
     staged = jax.shard_map(
         program,
         mesh=cfg.mesh,
-        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), P(), P(), P(), P(), P()),
-        out_specs=(P(), P(), P(), P(STAGE_AXIS), P(STAGE_AXIS)),
-        axis_names={STAGE_AXIS},
+        in_specs=(P(STAGE_AXIS), P(STAGE_AXIS), act, P(), P(), P(), P()),
+        out_specs=(P(), P(), act, P(STAGE_AXIS), P(STAGE_AXIS)),
+        axis_names=set(manual),
     )
     (done, mb, objs, losses, extras, logs), g_ns, gx, g_st, r_out = staged(
         [to_stages(a) for a in p_leaves],
@@ -492,6 +516,29 @@ def value_and_grad(
     loss = jnp.mean(losses)
     extras = {name: jnp.mean(v, axis=0).astype(v.dtype) for name, v in extras.items()}
     return (jnp.sum(objs), (loss, extras, logs, rest, {})), grads
+
+
+def _after(x: Any, deps: Any) -> Any:
+    """The arrays of ``x``, made to depend on every array in ``deps`` (on one element of each).
+
+    Under ``"pp+sp"`` the stage's loops hold collectives (the sequence exchange), and XLA:CPU runs
+    independent loops and collectives at once: devices that enter them in different orders wait for
+    each other forever (seen on jax 0.10.2, which also drops ``optimization_barrier`` on CPU). This
+    data dependency orders them: floats get ``+ 0 * tie`` (XLA folds ``x * 0`` for integers only),
+    integers are kept where ``tie == tie``. A NaN among ``deps`` would be in the loss or gradients anyway.
+    """
+    number = lambda a: jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_
+    leaves = [a for a in jax.tree.leaves(deps) if getattr(a, "size", 0) and number(a)]
+    if not leaves:
+        return x
+    tie = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in leaves)
+
+    def one(a):
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            return a + (tie * 0).astype(a.dtype)
+        return jnp.where(tie == tie, a, jnp.zeros_like(a))
+
+    return jax.tree.map(one, x)
 
 
 def _acc_dtype(a: Any) -> Any:
