@@ -21,6 +21,7 @@ __all__ = [
     "crosses_stage",
     "keep_first_grad",
     "token_batches",
+    "unordered_collectives",
 ]
 
 DIMS = dict(vocab=64, embed=64, heads=4, mlp=64, layers=8)
@@ -172,3 +173,60 @@ def stage_of(mesh) -> dict[int, int]:
 def crosses_stage(groups: list[list[int]], mesh) -> bool:
     st = stage_of(mesh)
     return any(len({st[d] for d in g}) > 1 for g in groups)
+
+
+_COLLECTIVE = re.compile(r"\s(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
+
+
+def unordered_collectives(hlo: str) -> list[tuple[str, str, str]]:
+    """``(computation, a, b)`` for each pair of instructions of one computation that both run collectives,
+    at least one of them inside a loop, call or conditional, with no data path between them.
+
+    XLA:CPU orders the collectives of one computation among themselves, but not those nested in a
+    loop against the rest (jax 0.10.2): such a pair can run at once, and devices that enter them in
+    different orders deadlock.
+    """
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        if line and not line.startswith((" ", "\t")):
+            m = re.match(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$", line)
+            name = m.group(1) if m else None
+            if name:
+                bodies[name] = []
+        elif name is not None and line.strip():
+            bodies[name].append(line)
+    holds: dict[str, bool] = {}
+
+    def nested(comp: str) -> bool:
+        if comp not in holds:
+            holds[comp] = False  # (no recursion in HLO; guards the walk)
+            lines = bodies.get(comp, [])
+            holds[comp] = any(_COLLECTIVE.search(x) for x in lines) or any(
+                nested(c) for x in lines for c in _CALLS.findall(x)
+            )
+        return holds[comp]
+
+    out = []
+    for comp, lines in bodies.items():
+        before: dict[str, set[str]] = {}
+        direct, loops = [], []
+        for line in lines:
+            m = re.match(r"\s*(?:ROOT\s+)?%(\S+) = .*?\b([a-z\-]+)\((.*?)\)(,|$)", line)
+            if not m:
+                continue
+            ins, op, args = m.group(1), m.group(2), m.group(3)
+            deps = set()
+            for a in re.findall(r"%([\w.\-]+)", args):
+                deps |= {a} | before.get(a, set())
+            before[ins] = deps
+            if _COLLECTIVE.search(line):
+                direct.append(ins)
+            elif op in ("while", "call", "conditional", "fusion") and any(nested(c) for c in _CALLS.findall(line)):
+                loops.append(ins)
+        for i, a in enumerate(loops):
+            for b in loops[i + 1 :] + direct:
+                if a not in before[b] and b not in before[a]:
+                    out.append((comp, a, b))
+    return out

@@ -30,7 +30,7 @@ from jaxlight.strategies.pipeline_sequence import position_mixing
 from jaxlight.strategies.sequence import _SequenceAttention, traced_attention_calls
 from jaxlight.summary import per_device_bytes
 from tests.helpers import Record, host_params, quiet
-from tests.pipeline_models import collectives, crosses_stage
+from tests.pipeline_models import collectives, crosses_stage, unordered_collectives
 from tests.strategy_models import Block as HandWrittenBlock
 
 TOL = 1e-5
@@ -146,6 +146,8 @@ def test_pp_sp_trains_like_one_device(single, schedule, mode):
     handed = [s for op, s, g in ops if op == "collective-permute" and crosses_stage(g, trainer.mesh)]
     assert handed and all(s.startswith(local) for s in handed), (local, handed)
     assert f"f32[{rows},{SEQ},{CFG.d_model}]" not in " ".join(handed)
+    # no loop holding the exchange can run at once with another collective (XLA:CPU would deadlock)
+    assert unordered_collectives(hlo) == []
 
     if (schedule, mode) == ("gpipe", "ulysses"):  # the eval step is pipelined and split the same way
         val = _batches(1)
@@ -165,6 +167,7 @@ def test_interleaved_1f1b_with_sequence_parallelism_trains_like_one_device(singl
     assert max(float(np.abs(ref[k] - got[k]).max()) for k in ref) <= TOL
     stack = [v for k, v in trainer.train_state.params.items() if "/blocks/" in k]
     assert per_device_bytes(stack) == sum(v.nbytes for v in stack) // 2
+    assert unordered_collectives(trainer.compiled["train"].as_text()) == []
 
 
 def test_the_string_pp_sp():

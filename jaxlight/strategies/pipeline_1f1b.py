@@ -32,8 +32,7 @@ The step's loss is the mean of the microbatches' losses, the gradients those of
 that mean (as gradient accumulation defines them): for a loss that is a mean over
 rows this is the full batch's loss. Values logged with ``self.log`` and scalar
 outputs are combined over microbatches by their ``reduce_fx`` (mean, sum, max,
-min). Refused by name: sequence parallelism (``"pp+sp"``: the stage program
-would hold part of each row's positions, and the loss needs them all), a training_step without a LayerStack call or with more
+min). Refused by name: a training_step without a LayerStack call or with more
 than one, float extra arguments to the stack (they would get no gradient), batch
 leaves whose rows do not match the stack input's, non-parameter state changed
 outside the stack, parameters assigned in the step, non-scalar outputs, and
@@ -73,6 +72,24 @@ cool-down are ``RS - 1`` ticks, the steady phase ``R(M-S) + S``; the bubble is
 the circular schedule's ``(S-1)/(RM+S-1)``, and a stage keeps up to
 ``min(RM, 2RS-1)`` chunk inputs (each a microbatch's activation, for ``1/R``
 of the stage's layers). ``R = 1`` is the schedule above.
+
+**With sequence parallelism (``"pp+sp"``).** The program is manual over
+``stage`` and ``sequence`` (:func:`~jaxlight.strategies.pipeline_sequence.sequence_split`
+decides and refuses what cannot be split, as for GPipe): the stage inputs, the
+ring, the activations and cotangents handed between stages hold ``T/sequence``
+positions, and the layers' ``jl.nn.attention`` runs the exchange in place. The
+last stage gathers a microbatch's stack output over ``sequence`` (an all-gather
+typed invariant over it) and runs post on whole rows, the same on every
+sequence device, so post's gradients are not summed over ``sequence``; the
+cotangent of the stack output is sliced back to the device's positions. The
+stage parameters are marked varying over ``sequence`` before the recomputing
+``jax.vjp``, so each device accumulates its positions' share and the shares are
+summed once after the schedule; the stage-0 input cotangents leave split on
+the length like the input. XLA:CPU (jax 0.10.2) runs independent loops that
+hold collectives at once and devices then enter them in different orders and
+deadlock, so data dependencies (:func:`_after`) order the schedule after the
+inputs' gathers, each tick's backward after its forward, and the final sums
+after the cool-down.
 """
 
 from __future__ import annotations
