@@ -40,6 +40,7 @@ from jaxlight.strategies.pipeline import (
 )
 from tests.helpers import Record, host_params, quiet
 from tests.pipeline_models import DIMS, PipeLM, token_batches
+from tests.test_pipeline_sequence import SeqLM, _batches, _pipeline
 
 ROWS = 16
 BF16_EPS = 2.0**-7
@@ -171,15 +172,22 @@ def test_gpipe_trains_under_16_mixed_like_one_device(single):
     assert counts.flops > 0 and set(counts.by_dtype) == {("float16", "float16")}, counts.by_dtype
 
 
-@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "1f1b"])  # 1F1B with pp+sp is refused
-def test_pp_sp_trains_under_bf16_mixed_like_one_device(schedule):
-    """Under "pp+sp" the stage is manual over sequence too: the stack's parameters are invariant over it, and
-    their gradients are summed over the sequence pieces once, in float32 (not per tick and layer in bf16)."""
-    from tests.test_pipeline_sequence import SeqLM, _batches, _pipeline
+@pytest.fixture(scope="module")
+def seq_single() -> list[float]:
+    return _fit("auto", 1, "bf16-mixed", SeqLM(), _batches())[1]
 
-    _, ref_losses, _ = _fit("auto", 1, "bf16-mixed", SeqLM(), _batches())
-    t, losses, _ = _fit(_pipeline(schedule) + SequenceParallel(2, mode="ulysses"), 8, "bf16-mixed", SeqLM(), _batches())
-    assert dict(t.mesh.shape)["sequence"] == 2 and dict(t.mesh.shape)["stage"] == 2
+
+@pytest.mark.parametrize(
+    "schedule,mode,sp",
+    [(s, "ulysses", 2) for s in SCHEDULES if s != "1f1b"] + [("gpipe", "allgather", 4)],  # 1F1B + sp is refused
+)
+def test_pp_sp_trains_under_bf16_mixed_like_one_device(seq_single, schedule, mode, sp):
+    """Under "pp+sp" the stage is manual over sequence too: the stack's parameters are invariant over it, and
+    their gradients are summed over the sequence pieces once, in float32 (not per tick and layer in bf16);
+    under "allgather" the keys'/values' gradients are reduce-scattered in float32 too."""
+    ref_losses = seq_single
+    t, losses, _ = _fit(_pipeline(schedule) + SequenceParallel(sp, mode=mode), 8, "bf16-mixed", SeqLM(), _batches())
+    assert dict(t.mesh.shape)["sequence"] == sp and dict(t.mesh.shape)["stage"] == 2
     np.testing.assert_allclose(losses, ref_losses, rtol=2 * BF16_EPS, atol=0)
     counts = matmul_dtypes(t.compiled["train"].jaxpr)
     assert counts.half_fraction >= 0.95, counts.by_dtype
