@@ -400,8 +400,13 @@ def run_pipeline(
 
     def _stage_program(p_st, r_st, xs, rows, whole):
         s = lax.axis_index(STAGE_AXIS)
-        p_st = [a[0] for a in p_st]  # [R, k, ...] on this stage
+        # inputs invariant over a manual axis (everything over stage but the stack's state; under "pp+sp" the
+        # parameters over sequence too) made varying once, here: their gradients are summed by one all-reduce in
+        # float32 (see stage_sum), not by a psum per tick and layer in the compute dtype, which jnp.where and the
+        # layers' products would insert implicitly
+        p_st = [_vary(a[0], manual) for a in p_st]  # [R, k, ...] on this stage
         r_st = [a[0] for a in r_st]
+        xs, rows, whole = _vary(xs, manual), [_vary(a, manual) for a in rows], [_vary(a, manual) for a in whole]
         # stage 0's first-pass inputs, one per tick (zeros after the last microbatch)
         feed = jnp.concatenate([xs, jnp.zeros((T - M,) + xs.shape[1:], xs.dtype)])
         recv = _vary(jnp.zeros_like(xs[0]), manual)
@@ -444,7 +449,7 @@ def run_pipeline(
 
         (_, _, r_st), ys = lax.scan(tick, (recv, delay, r_st), (jnp.arange(T), feed))
         # the last stage finished microbatch m's last pass at tick T - M + m
-        out = lax.psum(jnp.where(s == S - 1, ys[T - M :], jnp.zeros_like(ys[T - M :])), STAGE_AXIS)
+        out = stage_sum(jnp.where(s == S - 1, ys[T - M :], jnp.zeros_like(ys[T - M :])), STAGE_AXIS)
         return out, [a[None] for a in r_st]
 
     # under "pp+sp" the stage is manual over sequence too: microbatches [M, B/M, T, ...] enter split on T
@@ -463,11 +468,34 @@ def run_pipeline(
     return _from_micro(out), jax.tree.unflatten(r_def, [from_stages(a) for a in r_out])
 
 
+def sum_dtype(dtype: Any) -> Any:
+    """The dtype a cross-stage sum of ``dtype`` runs in: float32 for narrower floats, ``dtype`` otherwise."""
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def stage_sum(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.psum(x, axes)`` summed in :func:`sum_dtype` (float32 for bfloat16/float16), returned in ``x.dtype``.
+
+    Exact for the pipeline's sums, where one stage holds the values and the others zeros. Why: inside a
+    ``shard_map`` that leaves some mesh axes automatic (the pipeline's), jax 0.10.2 lowers a psum's reducer with
+    a sharding annotation on its root, a ``copy`` once partitioned; XLA:CPU's AllReducePromotion, which widens
+    bfloat16 all-reduces to float32, rebuilds that reducer as a binary op of the root's opcode and aborts the
+    process ("Invalid binary instruction opcode copy", hlo_instruction.cc). A float32 all-reduce is left alone.
+    """
+    return lax.psum(x.astype(sum_dtype(x.dtype)), axes).astype(x.dtype)
+
+
 def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``x`` marked varying over the stage's manual ``axes`` (a scan carry that meets per-device values)."""
+    """``x`` marked varying over the stage's manual ``axes`` (a scan carry that meets per-device values).
+
+    The transpose of the mark is a psum of the gradient over ``axes``; for narrow floats it is marked in float32
+    so that psum is a float32 one (see :func:`stage_sum`); the forward value is unchanged.
+    """
     have = getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ()
     missing = tuple(a for a in axes if a not in have)
-    return lax.pcast(x, missing, to="varying") if missing else x
+    if not missing:
+        return x
+    return lax.pcast(x.astype(sum_dtype(x.dtype)), missing, to="varying").astype(x.dtype)
 
 
 def _to_micro(a: jax.Array, m: int) -> jax.Array:

@@ -120,6 +120,7 @@ from jaxlight.strategies.pipeline import (
     pipeline_context,
     run_pipeline,
     scan_layers,
+    stage_sum,
 )
 from jaxlight.strategies.pipeline_sequence import sequence_split
 from jaxlight.strategies.rules import BATCH_AXES
@@ -487,13 +488,11 @@ def value_and_grad(
         )
         _, _, _, _, r_cur, g_st, g_ns, gx = carry
         if seq is not None:  # each sequence device differentiated its own positions
-            g_st = [lax.psum(a, seq) for a in g_st]
+            g_st = [stage_sum(a, seq) for a in g_st]
             outs, g_ns = _after((outs, g_ns), g_st)  # summed after the cool-down's loops
-        outs = lax.psum(outs, STAGE_AXIS)  # only the last stage's are non-zero
-        g_ns = lax.psum(g_ns, STAGE_AXIS)
-        # only stage 0's are non-zero; summed in float32 at least (XLA:CPU aborts on a bfloat16 all-reduce here,
-        # "Invalid binary instruction opcode copy", as it does on GPipe's under bf16-mixed, jax 0.10.2)
-        gx = lax.psum(gx.astype(_acc_dtype(gx)), STAGE_AXIS).astype(gx.dtype)
+        # only the last stage's are non-zero; float32 sums for half-precision leaves (see stage_sum)
+        outs, g_ns = (jax.tree.map(lambda a: stage_sum(a, STAGE_AXIS), t) for t in (outs, g_ns))
+        gx = stage_sum(gx, STAGE_AXIS)  # only stage 0's are non-zero; in float32 (a bfloat16 psum aborts XLA:CPU)
         return outs, g_ns, gx, [a[None] for a in g_st], [a[None] for a in r_cur]
 
     def to_stages(a):  # [L, ...] -> [S, R, k, ...]: stage s, pass r holds layer chunk r*S + s

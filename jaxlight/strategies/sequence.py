@@ -470,6 +470,30 @@ def _ulysses(q, k, v, mask=None, *, n: int, tp: int, causal: bool, scale: float,
     return to_seq(out)
 
 
+@jax.custom_vjp
+def _gather_positions(x: jax.Array) -> jax.Array:
+    """``x`` all-gathered over ``sequence`` on its positions (axis 1); its gradient reduce-scattered in float32.
+
+    Why float32: the transpose of a bfloat16 all-gather is a bfloat16 reduce-scatter, which XLA:CPU
+    decomposes into an all-reduce; inside a shard_map that leaves some mesh axes automatic, its reducer's
+    root is a sharding annotation (a ``copy``), and XLA:CPU's AllReducePromotion aborts rebuilding it
+    ("Invalid binary instruction opcode copy", jax 0.10.2). The forward gather keeps ``x``'s dtype.
+    """
+    return lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def _gather_positions_fwd(x: jax.Array) -> tuple[jax.Array, None]:
+    return _gather_positions(x), None
+
+
+def _gather_positions_bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
+    wide = jnp.promote_types(g.dtype, jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g.dtype
+    return (lax.psum_scatter(g.astype(wide), AXIS, scatter_dimension=1, tiled=True).astype(g.dtype),)
+
+
+_gather_positions.defvjp(_gather_positions_fwd, _gather_positions_bwd)
+
+
 def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bool, gather: bool, impl=None):
     """Keys/values all-gathered (natural order) beside this device's queries (zig-zag chunks when balanced).
 
@@ -480,8 +504,7 @@ def _allgather(q, k, v, mask=None, *, n: int, causal: bool, scale: float, lb: bo
         if mask is not None and mask.shape[2] > 1:
             mask = _to_zigzag(mask, n, axis=2)
     if gather:
-        k = lax.all_gather(k, AXIS, axis=1, tiled=True)
-        v = lax.all_gather(v, AXIS, axis=1, tiled=True)
+        k, v = _gather_positions(k), _gather_positions(v)
     # Keys in natural order, one chunk; its blocks of at most length / 2n let a causal call skip
     # the blocks after each query chunk, which zig-zag spreads evenly.
     s = k.shape[1]
