@@ -179,7 +179,7 @@ def seq_single() -> list[float]:
 
 @pytest.mark.parametrize(
     "schedule,mode,sp",
-    [(s, "ulysses", 2) for s in SCHEDULES if s != "1f1b"] + [("gpipe", "allgather", 4)],  # 1F1B + sp is refused
+    [(s, "ulysses", 2) for s in SCHEDULES] + [("gpipe", "allgather", 4), ("1f1b", "allgather", 4)],
 )
 def test_pp_sp_trains_under_bf16_mixed_like_one_device(seq_single, schedule, mode, sp):
     """Under "pp+sp" the stage is manual over sequence too: the stack's parameters are invariant over it, and
