@@ -8,7 +8,7 @@ over a manual axis that meet varying ones (the expert weights over the data/sequ
 over tensor). The layer sums in float32 instead. Checked here: no bfloat16 all-reduce or reduce-scatter in the
 lowered forward and backward of the layer; the layer's output keeps its dtype; through the Trainer
 (tests/expert_models.py, 3 SGD(momentum) steps on [16, 9] batches) losses within 2 bf16 eps (2^-6 relative)
-of one device under bf16-mixed, parameter updates within 2^-4 relative (global norm), every traced matmul but the
+of one device under bf16-mixed, parameter updates within 2^-6 relative (global norm), every traced matmul but the
 router's in bfloat16.
 """
 
@@ -58,13 +58,14 @@ def test_the_layers_sums_are_float32_under_bf16(name):
         y, aux = nnx.merge(graphdef, p, rest)(x)
         return jnp.sum(y.astype(jnp.float32) ** 2) + aux["load_balance"], y
 
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     with jax.set_mesh(mesh), jl.nn.axis_rules(mesh, strategy.logical_rules):
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-        text = step.lower(params, x).as_text()
-        (_, y), grads = step(params, x)
-    sums = _REDUCER.findall(text)
+        lowered = step.lower(params, x)
+    sums = _REDUCER.findall(lowered.as_text())  # read before compiling: a bf16 sum would abort the process
     assert ("all_reduce", "f32") in sums, sums  # the aux losses' sums over the token axes at least
     assert {t for _, t in sums} == {"f32"}, sums
+    with jax.set_mesh(mesh), jl.nn.axis_rules(mesh, strategy.logical_rules):
+        (_, y), grads = step(params, x)
     assert y.dtype == jnp.bfloat16 and {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
     ref_loss = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     (_, y0), _ = ref_loss(jax.device_get(params), jax.device_get(x))  # no rules: every expert local
@@ -104,7 +105,7 @@ def test_expert_parallel_trains_under_bf16_mixed_like_one_device(single, name):
     np.testing.assert_allclose(losses, ref_losses, rtol=2 * BF16_EPS, atol=0)
     params = host_params(t)
     assert {str(v.dtype) for v in params.values()} == {"float32"}  # master weights
-    assert _update_gap(params, host_params(ref_t), init) <= 2.0**-4
+    assert _update_gap(params, host_params(ref_t), init) <= 2.0**-6  # measured 0.004-0.005
     counts = matmul_dtypes(t.compiled["train"].jaxpr)
     # bfloat16 but the router, which runs in float32 by design
     assert counts.half_fraction >= 0.99 and set(counts.by_dtype) <= {("bfloat16",) * 2, ("float32",) * 2}
