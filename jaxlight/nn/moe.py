@@ -15,7 +15,8 @@ go is decided per token; how they get there depends on where the layer runs:
   experts with one ``all_to_all`` over ``expert``, runs its own experts only,
   and sends the results back with a second one. Weights split over ``fsdp``
   are gathered at the boundary (FSDP's gather before use); a hidden width
-  split over ``tensor`` is summed with one ``psum`` after the combine.
+  split over ``tensor`` is summed with one ``psum`` after the combine (in float32
+  under half precision: see ``_vary``).
 
 Dispatch:
 
