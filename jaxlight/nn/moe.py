@@ -15,7 +15,8 @@ go is decided per token; how they get there depends on where the layer runs:
   experts with one ``all_to_all`` over ``expert``, runs its own experts only,
   and sends the results back with a second one. Weights split over ``fsdp``
   are gathered at the boundary (FSDP's gather before use); a hidden width
-  split over ``tensor`` is summed with one ``psum`` after the combine.
+  split over ``tensor`` is summed with one ``psum`` after the combine (in float32
+  under half precision: see ``_vary``).
 
 Dispatch:
 
@@ -63,6 +64,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.nn.constrain import active_axis_rules
+from jaxlight.strategies.pipeline import stage_sum, sum_dtype
 from jaxlight.strategies.rules import resolve_spec
 
 __all__ = ["MATMULS", "MoE", "block_rows", "grouped_ffn"]
@@ -206,6 +208,7 @@ class _Layout:
     """Where one call's tokens and experts live, as its ``shard_map`` body sees them."""
 
     token_axes: tuple[str, ...] = ()  # manual axes splitting the tokens (the aux sums run over them)
+    manual: tuple[str, ...] = ()  # every manual axis of the shard_map
     ep: str | None = None  # the axis the experts are split over
     n_ep: int = 1
     tp: str | None = None  # the axis the hidden width is split over
@@ -263,7 +266,7 @@ def moe_forward(
         )
     token_axes = rows + seq
     manual = set(token_axes) | {a for a in (ep, tp) if a is not None}
-    lay = _Layout(token_axes, ep, int(shape[ep]) if ep else 1, tp, tokens)
+    lay = _Layout(token_axes, tuple(sorted(manual)), ep, int(shape[ep]) if ep else 1, tp, tokens)
     if not manual:
         return _moe_body(cfg, lay, x, router, w_in, w_out)
     body = lambda *a: _moe_body(cfg, lay, *a)
@@ -279,6 +282,21 @@ def moe_forward(
 
 
 # ----------------------------------------------------------------------------- the per-device program
+def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` marked varying over those manual ``axes`` it is invariant over, the mark made in float32.
+
+    The mark's transpose sums ``x``'s gradient over those axes. Marked here, once, in float32 (for narrow
+    floats; the value is unchanged), that is one float32 all-reduce; left to jax, it would be a bfloat16 psum
+    wherever a bfloat16 ``x`` meets a varying value, which aborts XLA:CPU inside this partly manual shard_map
+    (jax 0.10.2; see ``jaxlight.strategies.pipeline.stage_sum``).
+    """
+    have = getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ()
+    missing = tuple(a for a in axes if a not in have)
+    if not missing:
+        return x
+    return lax.pcast(x.astype(sum_dtype(x.dtype)), missing, to="varying").astype(x.dtype)
+
+
 def _moe_body(
     cfg: _Config, lay: _Layout, x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -303,6 +321,11 @@ def _moe_body(
         "load_balance": e_all * jnp.sum(frac * mean_p),
         "router_z": total(jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))) / n_tok,
     }
+    # values invariant over a manual axis that meet varying ones (the expert weights over the token axes, the
+    # tokens and gates over tensor): their gradients are summed over it in float32 (see _vary)
+    w_in, w_out = _vary(w_in, lay.manual), _vary(w_out, lay.manual)
+    if lay.tp is not None:
+        x, xt, gates = _vary(x, (lay.tp,)), _vary(xt, (lay.tp,)), _vary(gates, (lay.tp,))
     if cfg.capacity is None:
         out = _dropless(cfg, lay, xt, idx, w_in, w_out)
         aux["dropped"] = jnp.zeros((), jnp.float32)
@@ -311,7 +334,7 @@ def _moe_body(
         aux["dropped"] = total(jnp.sum(~kept).astype(jnp.float32)) / (n_tok * k)
     y = jnp.einsum("tkf,tk->tf", out, gates.astype(out.dtype))
     if lay.tp is not None:
-        y = lax.psum(y, lay.tp)  # each tensor shard holds a slice of every expert's hidden width
+        y = stage_sum(y, lay.tp)  # each tensor shard holds a slice of every expert's hidden width (float32 sum)
     return y.reshape(b, length, f).astype(x.dtype), aux
 
 
