@@ -70,7 +70,7 @@ def _partly_manual_sum(sum_fn):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU compiler bug")
 def test_a_bfloat16_psum_in_a_partly_manual_shard_map_aborts_xla_cpu_and_stage_sum_does_not():
     """The XLA bug the pipeline works around. When this starts failing, jax fixed it: drop the float32 casts in
-    pipeline.stage_sum / pipeline._vary and pipeline_1f1b's gx sum."""
+    pipeline.stage_sum / pipeline.mark_varying and pipeline_1f1b's gx sum."""
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _XLA_BUG], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0 and "Invalid binary instruction opcode copy" in proc.stderr, proc.stderr[-2000:]

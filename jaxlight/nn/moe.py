@@ -16,7 +16,7 @@ go is decided per token; how they get there depends on where the layer runs:
   and sends the results back with a second one. Weights split over ``fsdp``
   are gathered at the boundary (FSDP's gather before use); a hidden width
   split over ``tensor`` is summed with one ``psum`` after the combine (in float32
-  under half precision: see ``_vary``).
+  under half precision: see ``jaxlight.strategies.pipeline.mark_varying``).
 
 Dispatch:
 
@@ -64,7 +64,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxlight.nn.constrain import active_axis_rules
-from jaxlight.strategies.pipeline import stage_sum, sum_dtype
+from jaxlight.strategies.pipeline import mark_varying, stage_sum
 from jaxlight.strategies.rules import resolve_spec
 
 __all__ = ["MATMULS", "MoE", "block_rows", "grouped_ffn"]
@@ -282,21 +282,6 @@ def moe_forward(
 
 
 # ----------------------------------------------------------------------------- the per-device program
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``x`` marked varying over those manual ``axes`` it is invariant over, the mark made in float32.
-
-    The mark's transpose sums ``x``'s gradient over those axes. Marked here, once, in float32 (for narrow
-    floats; the value is unchanged), that is one float32 all-reduce; left to jax, it would be a bfloat16 psum
-    wherever a bfloat16 ``x`` meets a varying value, which aborts XLA:CPU inside this partly manual shard_map
-    (jax 0.10.2; see ``jaxlight.strategies.pipeline.stage_sum``).
-    """
-    have = getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ()
-    missing = tuple(a for a in axes if a not in have)
-    if not missing:
-        return x
-    return lax.pcast(x.astype(sum_dtype(x.dtype)), missing, to="varying").astype(x.dtype)
-
-
 def _moe_body(
     cfg: _Config, lay: _Layout, x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -322,10 +307,10 @@ def _moe_body(
         "router_z": total(jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))) / n_tok,
     }
     # values invariant over a manual axis that meet varying ones (the expert weights over the token axes, the
-    # tokens and gates over tensor): their gradients are summed over it in float32 (see _vary)
-    w_in, w_out = _vary(w_in, lay.manual), _vary(w_out, lay.manual)
+    # tokens and gates over tensor): their gradients are summed over it in float32 (see mark_varying)
+    w_in, w_out = mark_varying(w_in, lay.manual), mark_varying(w_out, lay.manual)
     if lay.tp is not None:
-        x, xt, gates = _vary(x, (lay.tp,)), _vary(xt, (lay.tp,)), _vary(gates, (lay.tp,))
+        x, xt, gates = mark_varying(x, (lay.tp,)), mark_varying(xt, (lay.tp,)), mark_varying(gates, (lay.tp,))
     if cfg.capacity is None:
         out = _dropless(cfg, lay, xt, idx, w_in, w_out)
         aux["dropped"] = jnp.zeros((), jnp.float32)

@@ -404,14 +404,18 @@ def run_pipeline(
         # parameters over sequence too) made varying once, here: their gradients are summed by one all-reduce in
         # float32 (see stage_sum), not by a psum per tick and layer in the compute dtype, which jnp.where and the
         # layers' products would insert implicitly
-        p_st = [_vary(a[0], manual) for a in p_st]  # [R, k, ...] on this stage
+        p_st = [mark_varying(a[0], manual) for a in p_st]  # [R, k, ...] on this stage
         r_st = [a[0] for a in r_st]
-        xs, rows, whole = _vary(xs, manual), [_vary(a, manual) for a in rows], [_vary(a, manual) for a in whole]
+        xs, rows, whole = (
+            mark_varying(xs, manual),
+            [mark_varying(a, manual) for a in rows],
+            [mark_varying(a, manual) for a in whole],
+        )
         # stage 0's first-pass inputs, one per tick (zeros after the last microbatch)
         feed = jnp.concatenate([xs, jnp.zeros((T - M,) + xs.shape[1:], xs.dtype)])
-        recv = _vary(jnp.zeros_like(xs[0]), manual)
+        recv = mark_varying(jnp.zeros_like(xs[0]), manual)
         # circular: what stage 0 received from stage S-1, read again D ticks later for the next pass
-        delay = _vary(jnp.zeros((D if R > 1 else 0,) + xs.shape[1:], xs.dtype), manual)
+        delay = mark_varying(jnp.zeros((D if R > 1 else 0,) + xs.shape[1:], xs.dtype), manual)
 
         def tick(carry, tx):
             recv, delay, r_st = carry
@@ -485,7 +489,7 @@ def stage_sum(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
     return lax.psum(x.astype(sum_dtype(x.dtype)), axes).astype(x.dtype)
 
 
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """``x`` marked varying over the stage's manual ``axes`` (a scan carry that meets per-device values).
 
     The transpose of the mark is a psum of the gradient over ``axes``; for narrow floats it is marked in float32

@@ -115,8 +115,8 @@ from jaxlight.strategies.pipeline import (
     _check_rows,
     _from_micro,
     _to_micro,
-    _vary,
     check_groups,
+    mark_varying,
     pipeline_context,
     run_pipeline,
     scan_layers,
@@ -386,10 +386,10 @@ def value_and_grad(
         s = lax.axis_index(STAGE_AXIS)
         # [R, k, ...]: this stage's layer chunk of each pass. Under "pp+sp" marked varying over sequence: each
         # device's vjp then gives its own positions' share, summed over sequence once after the schedule
-        p_st = [_vary(a[0], manual) for a in p_st]
+        p_st = [mark_varying(a[0], manual) for a in p_st]
         r_st = [a[0] for a in r_st]
         vary = lambda a: lax.pcast(a, STAGE_AXIS, to="varying")
-        here = lambda a: _vary(a, manual)  # varying over every manual axis (this device's positions)
+        here = lambda a: mark_varying(a, manual)  # varying over every manual axis (this device's positions)
         # differentiate post with respect to a per-stage copy: the gradient of a stage-invariant input would be
         # summed over the stages (the transpose of pcast), adding the other stages' masked-out work
         pn = jax.tree.map(vary, pn)
