@@ -490,7 +490,8 @@ def stage_sum(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
 
 
 def mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``x`` marked varying over the stage's manual ``axes`` (a scan carry that meets per-device values).
+    """``x`` marked varying over those manual ``axes`` it is invariant over (a pipeline's scan carry that meets
+    per-device values; an expert layer's weights that meet per-device tokens).
 
     The transpose of the mark is a psum of the gradient over ``axes``; for narrow floats it is marked in float32
     so that psum is a float32 one (see :func:`stage_sum`); the forward value is unchanged.
