@@ -214,8 +214,10 @@ def _stream_plan(update: UpdateFn, state: Any, grads: Any, aux: Any, shardings: 
         hit = [gi for gi, bits in enumerate(group_bit) if d & bits]
         if len(hit) > 1:
             return (
-                f"output {k} of the update depends on the offloaded state of {len(hit)} groups (an optimizer "
-                f"that mixes parameters after reading its state, e.g. a clip of the updates after the moments)"
+                f"output {k} of the update depends on the offloaded state of {len(hit)} groups, so no group can "
+                f"be updated before every group is fetched (an optimizer that mixes parameters after reading its "
+                f'state, e.g. a clip of the updates after the moments; or "16-mixed" under gradient '
+                f"accumulation, whose Inf/NaN check reads the whole accumulated window)"
             )
         source.append(hit[0] if hit else -1)
     # outputs that are new values of host leaves go back to host memory in the step
