@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxlight.callbacks.callback import Callback
-from jaxlight.flops import matmul_dtypes, matmul_flops
+from jaxlight.flops import MatmulDtypes, matmul_dtypes
 from jaxlight.rank_zero import rank_zero_warn
 from jaxlight.step_info import StepInfo
 
@@ -157,8 +157,9 @@ class ThroughputMonitor(Callback):
         self._samples.append(self.batch_size_fn(info.batch))
         self._items.append(self.length_fn(info.batch))
         if self.flops_per_step is None and "train" in info.compiled:
-            self.flops_per_step = _flops(info.compiled["train"], info.num_devices)
-            self.flops_by_dtype = _flops_by_dtype(info.compiled["train"], info.num_devices, self.separator)
+            count = _count(info.compiled["train"])
+            self.flops_per_step = _flops(info.compiled["train"], info.num_devices, count)
+            self.flops_by_dtype = _flops_by_dtype(info.compiled["train"], info.num_devices, self.separator, count)
             self.memory = _memory(info.compiled["train"], info.state, self.separator)
         if not (info.stepped and info.global_step % info.log_every_n_steps == 0):
             return None
@@ -233,13 +234,18 @@ def _memory(compiled: Any, state: Any, sep: str) -> dict[str, float]:
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
-def _flops_by_dtype(compiled: Any, devices: int, sep: str) -> dict[str, float]:
+def _count(compiled: Any) -> MatmulDtypes | None:
+    """The traced step's matrix products by operand dtype (one walk of its jaxpr: the total and the split both
+    come from it); None when the step carries no traced program."""
+    jaxpr = getattr(compiled, "jaxpr", None)
+    return matmul_dtypes(jaxpr) if jaxpr is not None else None
+
+
+def _flops_by_dtype(compiled: Any, devices: int, sep: str, count: MatmulDtypes | None) -> dict[str, float]:
     """``matmul_flops/<lhs>_<rhs>`` per step and device and ``matmul_half_fraction`` of the traced step
     (:func:`jaxlight.flops.matmul_dtypes`); empty when the step carries no traced program."""
-    jaxpr = getattr(compiled, "jaxpr", None)
-    if jaxpr is None:
+    if count is None:
         return {}
-    count = matmul_dtypes(jaxpr)
     per = max(1, devices) * max(1, getattr(compiled, "steps", 1))
     out = {
         f"matmul_flops{sep}{_SHORT.get(a, a)}_{_SHORT.get(b, b)}": flops / per
@@ -250,13 +256,11 @@ def _flops_by_dtype(compiled: Any, devices: int, sep: str) -> dict[str, float]:
     return out
 
 
-def _flops(compiled: Any, devices: int) -> float | None:
+def _flops(compiled: Any, devices: int, count: MatmulDtypes | None) -> float | None:
     """FLOPs of one train step on one device: the traced step's matrix products (:func:`jaxlight.flops.matmul_flops`,
     loops counted as often as they run) over the devices and the steps one call runs; XLA's ``cost_analysis()``
     when the step carries no traced program."""
-    jaxpr = getattr(compiled, "jaxpr", None)
-    if jaxpr is not None:
-        count = matmul_flops(jaxpr)
+    if count is not None:
         if not count.exact:
             rank_zero_warn(
                 "ThroughputMonitor: the train step has a while loop, whose trip count is known only at run time; "
